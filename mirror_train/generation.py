@@ -1,0 +1,80 @@
+"""Chat encoding and batched plain generation with the target (the reference every speculative path must equal)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+
+def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` under the model's own chat template, ready for the assistant's turn."""
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(encoded["input_ids"])
+
+
+def stop_token_ids(tokenizer, model_config) -> list[int]:
+    """EOS plus the chat template's end-of-turn token when it differs (e.g. `<|im_end|>`, `<|eot_id|>`)."""
+    ids = set()
+    for source in (getattr(model_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(source)
+    for name in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(name) if name in tokenizer.get_vocab() else None
+        if isinstance(tid, int):
+            ids.add(tid)
+    return sorted(ids)
+
+
+@torch.inference_mode()
+def generate_batch(
+    model,
+    tokenizer,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    batch_size: int = 8,
+    temperature: float = 0.0,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[list[int]]:
+    """New tokens for each prompt (stop token included when reached), generated in left-padded batches.
+
+    Prompts are sorted by length so each batch pads little; results come back in the input order.
+    """
+    stops = stop_token_ids(tokenizer, model.config)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: list[list[int]] = [[] for _ in prompts]
+    generator_seed = torch.Generator().manual_seed(seed)
+    bar = tqdm(total=len(prompts), desc="generating", unit="prompt", disable=not progress)
+    for start in range(0, len(order), batch_size):
+        idx = order[start : start + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(idx):
+            ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]) :] = 1
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator_seed)))
+        sampling = temperature > 0
+        out = model.generate(
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=sampling,
+            temperature=temperature if sampling else None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=stops,
+            pad_token_id=pad,
+        )
+        for row, i in enumerate(idx):
+            new = out[row, width:].tolist()
+            cut = next((j + 1 for j, t in enumerate(new) if t in stops), len(new))
+            results[i] = new[:cut]
+        bar.update(len(idx))
+    bar.close()
+    return results

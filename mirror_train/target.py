@@ -1,0 +1,230 @@
+"""The frozen target model, split at the early exit.
+
+This module alone owns the layer-index convention. Layers are numbered 1..N as in the paper and as in
+transformers' `hidden_states` output (`hidden_states[0]` is the embedding output, `hidden_states[ℓ]` the output of
+layer ℓ). An exit layer ℓe ∈ 1..N−1 splits a forward into
+
+    prefix(ℓe): embeddings → layers 1..ℓe      → the hidden state at ℓe for every window position
+    suffix:     layers ℓe+1..N → final norm → LM head → the final logits
+
+so other work (the proxy head, the channel send) can happen between the two calls. Both halves write the same KV
+cache the plain forward would. We run the decoder layers ourselves rather than fork a modeling file, which keeps any
+transformers decoder-only model with the usual `model.layers` / `model.norm` / `lm_head` layout working (Llama,
+Qwen2/3, Mistral, Gemma families): per-layer attention types (`config.layer_types`: full or sliding) and per-type
+rotary tables (Gemma 3) are read from the model, and Gemma's final logit soft-capping is applied.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mirror_train.errors import MirrorTrainError
+
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+
+
+def check_exit_layer(exit_layer: int, num_layers: int) -> int:
+    """ℓe must leave at least one layer on each side of the split."""
+    if isinstance(exit_layer, bool) or not isinstance(exit_layer, int) or not 1 <= exit_layer <= num_layers - 1:
+        raise MirrorTrainError(
+            f"exit layer ℓe={exit_layer!r} is outside 1..{num_layers - 1} (the target has {num_layers} layers)"
+        )
+    return exit_layer
+
+
+@dataclass
+class PrefixState:
+    """What the suffix needs to finish a window the prefix started."""
+
+    hidden: torch.Tensor  # (B, T, H): the output of layer ℓe at every window position
+    exit_layer: int
+    cache: Any
+    position_ids: torch.Tensor  # (1, T)
+    masks: dict[str, Any]  # attention type → mask, built once for the window
+    position_embeddings: dict[str, tuple[torch.Tensor, torch.Tensor]]  # attention type → (cos, sin)
+
+
+class Target:
+    """A frozen decoder-only LM with prefix/suffix halves, a logit lens and KV-cache rollback."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None, name_or_path: str | None = None):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name_or_path = name_or_path or getattr(model.config, "name_or_path", "") or "unknown"
+        self.config = model.config
+        self.decoder = model.get_decoder()
+        for attr in ("layers", "norm", "embed_tokens", "rotary_emb"):
+            if not hasattr(self.decoder, attr):
+                raise MirrorTrainError(
+                    f"{type(model).__name__} has no decoder.{attr}: only decoder-only models with the usual "
+                    "model.layers / model.norm / lm_head layout are supported"
+                )
+        self.lm_head = model.get_output_embeddings()
+        n = self.num_layers
+        self.layer_types: list[str] = list(getattr(self.config, "layer_types", None) or [])
+        if not self.layer_types:
+            sliding = getattr(self.config, "sliding_window", None) and getattr(self.config, "use_sliding_window", True)
+            self.layer_types = [_SLIDING if sliding else _FULL] * n
+        self._typed_rotary = "layer_type" in inspect.signature(self.decoder.rotary_emb.forward).parameters
+        self._softcap = getattr(self.config, "final_logit_softcapping", None)
+
+    @classmethod
+    def load(
+        cls,
+        name_or_path: str | os.PathLike | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        revision: str | None = None,
+    ) -> Target:
+        """Load from the testbed (default), a local directory or a Hub id, with a clear error when that fails."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from mirror_train.devices import resolve_device
+        from mirror_train.testbed import resolve_model
+
+        device = resolve_device(device)
+        source = resolve_model(name_or_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, revision=revision)
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise MirrorTrainError(f"could not load model {str(name_or_path)!r}: {first}") from None
+        return cls(model.to(device), tokenizer, name_or_path=str(name_or_path or "testbed"))
+
+    # --- shape facts -------------------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.decoder.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def check_exit_layer(self, exit_layer: int) -> int:
+        return check_exit_layer(exit_layer, self.num_layers)
+
+    # --- KV cache ----------------------------------------------------------------------------------------------
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)
+        # Sliding-window layers must keep the positions a rollback could drop; `crop` trims them to the window.
+        cache.activate_past_recording()
+        return cache
+
+    @staticmethod
+    def cache_length(cache) -> int:
+        return cache.get_seq_length() if cache is not None else 0
+
+    @staticmethod
+    def crop(cache, length: int) -> None:
+        """Drop every cached position ≥ `length`, layer by layer.
+
+        Layers are cropped one at a time because after a prefix without its suffix (an aborted step) the lower
+        layers hold more positions than the upper ones. transformers 5.24's crop takes a negative count to drop;
+        sliding-window layers are cropped even when nothing is dropped, which trims them back to their window.
+        """
+        if length < 0:
+            raise ValueError(f"cannot crop a cache to a negative length ({length})")
+        for layer in cache.layers:
+            extra = max(layer.get_seq_length() - length, 0)
+            if extra or getattr(layer, "is_sliding", False):
+                layer.crop(-extra)
+
+    # --- the two halves ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefix(
+        self,
+        input_ids: torch.Tensor,
+        cache,
+        exit_layer: int,
+        attention_mask: torch.Tensor | None = None,
+    ) -> PrefixState:
+        """Run layers 1..ℓe over `input_ids` (B, T), appending to `cache`; return the ℓe state of every position.
+
+        `attention_mask` is the usual 2-D padding mask over cached + new positions (None: no padding).
+        """
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        self.check_exit_layer(exit_layer)
+        past = self.cache_length(cache)
+        hidden = self.decoder.embed_tokens(input_ids)
+        position_ids = torch.arange(past, past + input_ids.shape[1], device=hidden.device).unsqueeze(0)
+        mask_kwargs = dict(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        builders = {_FULL: create_causal_mask, _SLIDING: create_sliding_window_causal_mask}
+        types = set(self.layer_types)
+        masks = {t: builders[t](**mask_kwargs) for t in types}
+        if self._typed_rotary:
+            rope = {t: self.decoder.rotary_emb(hidden, position_ids, t) for t in types}
+        else:
+            shared = self.decoder.rotary_emb(hidden, position_ids)
+            rope = {t: shared for t in types}
+        state = PrefixState(hidden, exit_layer, cache, position_ids, masks, rope)
+        state.hidden = self._run_layers(state, 0, exit_layer)
+        return state
+
+    @torch.inference_mode()
+    def suffix(self, state: PrefixState) -> torch.Tensor:
+        """Run layers ℓe+1..N, the final norm and the LM head: (B, T, V) final logits."""
+        hidden = self._run_layers(state, state.exit_layer, self.num_layers)
+        return self.logits(self.decoder.norm(hidden))
+
+    def _run_layers(self, state: PrefixState, start: int, stop: int) -> torch.Tensor:
+        hidden = state.hidden
+        for i in range(start, stop):  # layer i+1 in the 1-based convention
+            kind = self.layer_types[i]
+            hidden = self.decoder.layers[i](
+                hidden,
+                attention_mask=state.masks[kind],
+                position_embeddings=state.position_embeddings[kind],
+                position_ids=state.position_ids,
+                cache=state.cache,
+                use_cache=state.cache is not None,
+            )
+        return hidden
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """A plain full forward through the split machinery (prefix at ℓe = 1, then suffix)."""
+        return self.suffix(self.prefix(input_ids, cache, 1, attention_mask))
+
+    # --- heads -------------------------------------------------------------------------------------------------
+    def logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on already-normalised states, with the model family's final soft-capping if it has one."""
+        logits = self.lm_head(normed_hidden)
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+    def lens_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logit lens: final norm + LM head applied to an intermediate hidden state."""
+        return self.logits(self.decoder.norm(hidden))
+
+    @torch.inference_mode()
+    def hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """One uncached forward: (hidden_states[0..N] in the 1-based convention, final logits)."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+        return out.hidden_states, out.logits

@@ -1,0 +1,118 @@
+"""The split target equals the plain model: prefix-then-suffix = full forward, crop-then-continue = recompute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mirror_train.errors import MirrorTrainError
+from mirror_train.target import Target, check_exit_layer
+from tests.conftest import tiny_model
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text"]
+ATOL = 1e-5  # fp32: only summation order differs
+
+
+def split_forward(target: Target, ids: torch.Tensor, chunks: list[int], exits: list[int]) -> torch.Tensor:
+    """Feed `ids` in windows of the given sizes, each split at its own exit layer, into one cache."""
+    cache, out, pos = target.new_cache(), [], 0
+    for size, exit_layer in zip(chunks, exits):
+        state = target.prefix(ids[:, pos : pos + size], cache, exit_layer)
+        out.append(target.suffix(state))
+        pos += size
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_then_suffix_equals_full_forward(family):
+    model = tiny_model(family, layers=4)
+    target = Target(model)
+    ids = torch.randint(0, 128, (1, 20))
+    with torch.no_grad():
+        full = model(ids).logits
+    # windows long enough to run past the sliding window (6) of the sliding families
+    got = split_forward(target, ids, chunks=[9, 1, 4, 6], exits=[2, 1, 3, 2])
+    torch.testing.assert_close(got, full, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_hidden_is_hidden_states_at_exit(family):
+    model = tiny_model(family, layers=4)
+    target = Target(model)
+    ids = torch.randint(0, 128, (1, 10))
+    hidden, _ = target.hidden_states(ids)
+    state = target.prefix(ids, target.new_cache(), 3)
+    torch.testing.assert_close(state.hidden, hidden[3], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_crop_then_continue_equals_recompute(family):
+    model = tiny_model(family, layers=4)
+    target = Target(model)
+    ids = torch.randint(0, 128, (1, 16))
+    cache = target.new_cache()
+    target.forward(ids[:, :12], cache)  # commit 12, as if a window of drafts had been verified
+    target.crop(cache, 8)  # reject the last 4
+    assert target.cache_length(cache) == 8
+    resumed = target.forward(ids[:, 8:], cache)
+    with torch.no_grad():
+        full = model(ids).logits
+    torch.testing.assert_close(resumed, full[:, 8:], atol=ATOL, rtol=0)
+
+
+def test_crop_after_aborted_prefix_levels_all_layers():
+    """A step aborted between the halves leaves the lower layers longer; crop must level them."""
+    target = Target(tiny_model("llama", layers=4))
+    ids = torch.randint(0, 128, (1, 10))
+    cache = target.new_cache()
+    target.forward(ids[:, :6], cache)
+    target.prefix(ids[:, 6:], cache, 2)  # no suffix
+    assert [layer.get_seq_length() for layer in cache.layers] == [10, 10, 6, 6]
+    target.crop(cache, 6)
+    assert [layer.get_seq_length() for layer in cache.layers] == [6] * 4
+    torch.testing.assert_close(
+        target.forward(ids[:, 6:], cache), tiny_target_full(target, ids)[:, 6:], atol=ATOL, rtol=0
+    )
+
+
+def tiny_target_full(target: Target, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return target.model(ids).logits
+
+
+def test_lens_at_last_layer_is_final_logits():
+    target = Target(tiny_model("llama", layers=3))
+    ids = torch.randint(0, 128, (1, 7))
+    hidden, logits = target.hidden_states(ids)
+    # hidden_states[N] already has the final norm applied (transformers' convention), so use the suffix path:
+    state = target.prefix(ids, target.new_cache(), 2)
+    torch.testing.assert_close(target.suffix(state), logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(target.lens_logits(hidden[2]), target.lens_logits(state.hidden), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("bad", [0, 4, -1, 2.5, True, "2"])
+def test_exit_layer_out_of_range_is_a_clear_error(bad):
+    with pytest.raises(MirrorTrainError, match=r"outside 1\.\.3"):
+        check_exit_layer(bad, 4)
+
+
+def test_frozen():
+    target = Target(tiny_model("llama"))
+    assert not any(p.requires_grad for p in target.model.parameters())
+
+
+@pytest.mark.testbed
+def test_testbed_prefix_suffix_and_crop(testbed_target):
+    target = testbed_target
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (30, 576, 49152)
+    ids = torch.tensor([target.tokenizer("The quick brown fox jumps over the lazy dog. " * 3)["input_ids"]])
+    with torch.no_grad():
+        full = target.model(ids).logits
+    n = ids.shape[1]
+    got = split_forward(target, ids, chunks=[n - 9, 1, 8], exits=[15, 15, 12])
+    torch.testing.assert_close(got, full, atol=1e-4, rtol=0)
+
+    cache = target.new_cache()
+    target.forward(ids[:, : n - 3], cache)
+    target.crop(cache, n - 8)
+    torch.testing.assert_close(target.forward(ids[:, n - 8 :], cache), full[:, n - 8 :], atol=1e-4, rtol=0)
