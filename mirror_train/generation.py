@@ -35,14 +35,17 @@ def generate_batch(
     tokenizer,
     prompts: Sequence[list[int]],
     max_new_tokens: int,
-    batch_size: int = 8,
+    batch_size: int = 64,
     temperature: float = 0.0,
     seed: int = 0,
     progress: bool = True,
+    max_batch_tokens: int = 12288,
 ) -> list[list[int]]:
     """New tokens for each prompt (stop token included when reached), generated in left-padded batches.
 
-    Prompts are sorted by length so each batch pads little; results come back in the input order.
+    Prompts are sorted by length so each batch pads little, and a batch holds at most `batch_size` prompts and
+    `max_batch_tokens` (prompt + new) tokens: on a CPU, 64 short prompts at once generate ~2× faster per prompt
+    than 16, while long prompts need small batches. Results come back in the input order.
     """
     stops = stop_token_ids(tokenizer, model.config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
@@ -50,8 +53,15 @@ def generate_batch(
     results: list[list[int]] = [[] for _ in prompts]
     generator_seed = torch.Generator().manual_seed(seed)
     bar = tqdm(total=len(prompts), desc="generating", unit="prompt", disable=not progress)
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
+    batches, current = [], []
+    for i in order:
+        rows = len(current) + 1
+        if current and (rows > batch_size or rows * (len(prompts[i]) + max_new_tokens) > max_batch_tokens):
+            batches.append(current)
+            current = []
+        current.append(i)
+    batches += [current] if current else []
+    for idx in batches:
         width = max(len(prompts[i]) for i in idx)
         ids = torch.full((len(idx), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)

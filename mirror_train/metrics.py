@@ -87,3 +87,26 @@ def mean_accepted_tokens(accept_lengths: Sequence[int]) -> float:
     if not accept_lengths:
         raise MirrorTrainError("no decoding steps to average")
     return sum(accept_lengths) / len(accept_lengths)
+
+
+def topk_label_report(
+    proxy_logits: torch.Tensor, topk_ids: torch.Tensor, topk_logp: torch.Tensor, kappas: Sequence[int] = (1, 4, 8)
+) -> dict[str, float]:
+    """`exit_report` when the final distribution is known only by its top-k log-probs (cached labels).
+
+    hit_κ and top-1 are exact (the argmax is `topk_ids[:, 0]`); oracle Ω_κ is exact for κ ≤ k; Ω_κ counts only
+    the proxy's picks that lie in the target's top k, so it is a lower bound (the rest holds little mass).
+    """
+    report = {"positions": int(topk_ids.shape[0])}
+    p_top = topk_logp.float().exp()  # (N, k)
+    proxy_top = proxy_logits.topk(max(kappas), dim=-1).indices  # (N, κmax)
+    # member[n, i, j] = proxy's i-th pick is the target's j-th top token
+    member = proxy_top[:, :, None] == topk_ids[:, None, :]  # (N, κmax, k)
+    mass_at_pick = (member.float() * p_top[:, None, :]).sum(-1)  # (N, κmax)
+    for kappa in kappas:
+        check_kappa(kappa)
+        report[f"omega_{kappa}"] = mass_at_pick[:, :kappa].sum(-1).mean().item()
+        report[f"hit_{kappa}"] = member[:, :kappa, 0].any(-1).float().mean().item()
+        report[f"oracle_omega_{kappa}"] = p_top[:, :kappa].sum(-1).mean().item()
+    report["top1"] = (proxy_top[:, 0] == topk_ids[:, 0]).float().mean().item()
+    return report

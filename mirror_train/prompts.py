@@ -15,8 +15,11 @@ from pathlib import Path
 from mirror_train.errors import MirrorTrainError
 
 PROMPTS_ENV = "MIRROR_TRAIN_PROMPTS"
-# The repository is checked out beside `shared/`, which holds the training prompts (never committed here).
-_SHARED_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "train_prompts" / "prompts.jsonl"
+SPECBENCH_ENV = "MIRROR_TRAIN_SPECBENCH_QUESTIONS"
+# The repository is checked out beside `shared/`, which holds the data (never committed here).
+_SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+_SHARED_PROMPTS = _SHARED_DATA / "train_prompts" / "prompts.jsonl"
+_SHARED_SPECBENCH = _SHARED_DATA / "specbench" / "question.jsonl"
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,16 @@ def default_prompt_file() -> Path:
     raise MirrorTrainError(f"no prompt file given: pass one, or set {PROMPTS_ENV}")
 
 
+def default_specbench_file() -> Path:
+    """$MIRROR_TRAIN_SPECBENCH_QUESTIONS, else Spec-Bench's question file in the shared data beside the repository."""
+    env = os.environ.get(SPECBENCH_ENV)
+    if env:
+        return Path(env)
+    if _SHARED_SPECBENCH.exists():
+        return _SHARED_SPECBENCH
+    raise MirrorTrainError(f"no Spec-Bench question file given: pass one, or set {SPECBENCH_ENV}")
+
+
 def parse_prompt(line: str, where: str) -> Prompt:
     try:
         record = json.loads(line)
@@ -68,9 +81,12 @@ def parse_prompt(line: str, where: str) -> Prompt:
 
 
 def load_prompts(
-    path: str | os.PathLike | None = None, limit: int | None = None, seed: int | None = None
+    path: str | os.PathLike | None = None,
+    limit: int | None = None,
+    seed: int | None = None,
+    exclude: set[str] | frozenset[str] = frozenset(),
 ) -> list[Prompt]:
-    """Read a prompt JSONL; with `limit`, a sample of that many (seeded, so runs are repeatable)."""
+    """Read a prompt JSONL; with `limit`, a seeded sample of that many, drawn from those not in `exclude`."""
     path = Path(path) if path is not None else default_prompt_file()
     if not path.is_file():
         raise MirrorTrainError(f"prompt file not found: {path}")
@@ -81,6 +97,7 @@ def load_prompts(
                 prompts.append(parse_prompt(line, f"{path}:{lineno}"))
     if not prompts:
         raise MirrorTrainError(f"{path} holds no prompts")
+    prompts = [p for p in prompts if p.id not in exclude]
     if limit is not None and limit < len(prompts):
         prompts = random.Random(seed).sample(prompts, limit)
     return prompts

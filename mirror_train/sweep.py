@@ -29,7 +29,7 @@ class SweepConfig:
     prompts: str | None = None  # JSONL; default: the shared training prompts
     num_prompts: int = 32
     max_new_tokens: int = 96
-    batch_size: int = 8
+    batch_size: int = 64
     layers: str = "all"  # "all" (1..N-1) or a comma list such as "6,10,15"
     kappas: str = "1,4,8"
     seed: int = 0

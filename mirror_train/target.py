@@ -118,6 +118,12 @@ class Target:
     def check_exit_layer(self, exit_layer: int) -> int:
         return check_exit_layer(exit_layer, self.num_layers)
 
+    def signature(self):
+        """What an artifact records about this target, and what loading one checks against."""
+        from mirror_train.export import TargetSignature
+
+        return TargetSignature.of(self.config, self.tokenizer, self.name_or_path)
+
     # --- KV cache ----------------------------------------------------------------------------------------------
     def new_cache(self):
         from transformers import DynamicCache

@@ -68,3 +68,47 @@ def testbed_target(testbed_path):
     from mirror_train.target import Target
 
     return Target.load(str(testbed_path))
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def tiny_tokenizer(vocab_size: int = 128):
+    """A word-level tokenizer with a chat template, built offline (unknown words map to <unk>)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<pad>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    words = "the a of and to in is you that it for on with as are this be what how write explain".split()
+    vocab = {w: i for i, w in enumerate(specials + words + [f"w{i}" for i in range(vocab_size)])}
+    vocab = {w: i for w, i in vocab.items() if i < vocab_size}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="<|end|>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with a tokenizer and chat template, saved like any HF model directory."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tok = tiny_tokenizer()
+    model = tiny_model("llama", layers=4, vocab=len(tok))
+    model.config.eos_token_id = tok.eos_token_id
+    model.config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_model_dir):
+    from mirror_train.target import Target
+
+    return Target.load(str(tiny_model_dir))

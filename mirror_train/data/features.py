@@ -1,0 +1,203 @@
+"""A disk cache of what proxy-head training needs from the frozen target, computed once.
+
+Training a head needs, per position, the target's hidden state at ℓe (the head's input) and the target's final
+distribution (the label). Both come from one teacher-forced forward, which on a CPU runs at prefill speed
+(~800 tokens/s on 2 cores for the testbed) — far cheaper than running the whole target every epoch. The label is
+kept as the top-k log-probs (k = 32 holds ~95% of the testbed's mass); the rest of the mass is known
+(1 − Σ top-k) but not where it lies.
+
+Layout (NumPy files, memory-mapped when read):
+    meta.json                 exit layers, top_k, counts, the target's signature, the sources
+    hidden_L{ℓ}.npy           (P, H) float16   hidden state after layer ℓ, one file per cached exit layer
+    topk_ids.npy              (P, k) int32     the target's top-k next tokens at each position, best first
+    topk_logp.npy             (P, k) float16   their log-probabilities under the full softmax
+    is_answer.npy             (P,)   bool      the position predicts a token of the target's own answer
+    seq_offsets.npy           (S+1,) int64     positions of sequence s are [offsets[s], offsets[s+1])
+    progress.json             batches finished (a killed run resumes from there)
+
+Position p of a sequence predicts token p+1, so a sequence of L tokens contributes L−1 positions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from mirror_train.errors import MirrorTrainError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FeatureCacheConfig:
+    exit_layers: list[int] = field(default_factory=lambda: [15])
+    top_k: int = 32
+    max_tokens_per_batch: int = 4096  # padded tokens per teacher-forced forward
+    max_seq_len: int = 1152  # longer sequences keep their last tokens
+
+    def validate(self) -> None:
+        if not self.exit_layers:
+            raise MirrorTrainError("exit_layers must name at least one layer")
+        if self.top_k < 1 or self.max_tokens_per_batch < 2 or self.max_seq_len < 2:
+            raise MirrorTrainError("top_k must be ≥ 1, max_tokens_per_batch and max_seq_len ≥ 2")
+
+
+@dataclass(frozen=True)
+class TokenSequence:
+    ids: list[int]
+    answer_start: int  # index of the first answer token (len(ids) when there is no answer)
+
+
+def sequences_from_selfdistill(dataset) -> list[TokenSequence]:
+    return [TokenSequence(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"])) for r in dataset]
+
+
+def _plan_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Length-sorted batches whose padded size stays within `max_tokens` (deterministic, so resumable)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches, current = [], []
+    for i in order:
+        if current and lengths[i] * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def build_feature_cache(
+    target,
+    sequences: Sequence[TokenSequence],
+    out_dir: str | os.PathLike,
+    cfg: FeatureCacheConfig,
+    sources: dict | None = None,
+    progress: bool = True,
+) -> Path:
+    """Teacher-force every sequence through the target once and store the features (resuming if interrupted)."""
+    cfg.validate()
+    for layer in cfg.exit_layers:
+        target.check_exit_layer(layer)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    seqs = [
+        TokenSequence(s.ids[-cfg.max_seq_len :], max(s.answer_start - max(len(s.ids) - cfg.max_seq_len, 0), 1))
+        for s in sequences
+        if len(s.ids) >= 2
+    ]
+    if not seqs:
+        raise MirrorTrainError("no sequence of at least 2 tokens to cache")
+    counts = np.array([len(s.ids) - 1 for s in seqs], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    total, hidden_size, k = int(offsets[-1]), target.hidden_size, cfg.top_k
+    meta = {
+        "format_version": 1,
+        "config": asdict(cfg),
+        "positions": total,
+        "sequences": len(seqs),
+        "answer_positions": int(sum(len(s.ids) - s.answer_start for s in seqs)),
+        "hidden_size": hidden_size,
+        "target": target.signature().to_dict(),
+        "sources": sources or {},
+    }
+    meta_file, progress_file = out / "meta.json", out / "progress.json"
+    fresh = not meta_file.exists()
+    if not fresh and json.loads(meta_file.read_text()) != meta:
+        raise MirrorTrainError(f"{out} holds a feature cache of other data or settings; use another directory")
+    mode = "w+" if fresh else "r+"
+
+    def array(name: str, shape: tuple, dtype) -> np.memmap:
+        return np.lib.format.open_memmap(out / name, mode=mode, dtype=dtype, shape=shape if fresh else None)
+
+    hidden = {layer: array(f"hidden_L{layer}.npy", (total, hidden_size), np.float16) for layer in cfg.exit_layers}
+    topk_ids = array("topk_ids.npy", (total, k), np.int32)
+    topk_logp = array("topk_logp.npy", (total, k), np.float16)
+    is_answer = array("is_answer.npy", (total,), np.bool_)
+    np.save(out / "seq_offsets.npy", offsets)
+    if fresh:
+        meta_file.write_text(json.dumps(meta, indent=2) + "\n")
+        progress_file.write_text(json.dumps({"batches_done": 0}))
+    done = json.loads(progress_file.read_text())["batches_done"]
+
+    batches = _plan_batches([len(s.ids) for s in seqs], cfg.max_tokens_per_batch)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    bar = tqdm(total=total, desc="caching features", unit="pos", disable=not progress)
+    bar.update(int(sum(counts[i] for b in batches[:done] for i in b)))
+    for b_idx in range(done, len(batches)):
+        batch = batches[b_idx]
+        width = max(len(seqs[i].ids) for i in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(batch):  # right padding: causal attention keeps real positions exact
+            ids[row, : len(seqs[i].ids)] = torch.tensor(seqs[i].ids)
+            mask[row, : len(seqs[i].ids)] = 1
+        states, logits = target.hidden_states(ids.to(target.device), mask.to(target.device))
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        top = logp.topk(k, dim=-1)
+        for row, i in enumerate(batch):
+            n, lo = int(counts[i]), int(offsets[i])
+            for layer in cfg.exit_layers:
+                hidden[layer][lo : lo + n] = states[layer][row, :n].float().cpu().numpy().astype(np.float16)
+            topk_ids[lo : lo + n] = top.indices[row, :n].cpu().numpy()
+            topk_logp[lo : lo + n] = top.values[row, :n].cpu().numpy().astype(np.float16)
+            is_answer[lo : lo + n] = np.arange(n) >= seqs[i].answer_start - 1
+        for arr in (*hidden.values(), topk_ids, topk_logp, is_answer):
+            arr.flush()
+        progress_file.write_text(json.dumps({"batches_done": b_idx + 1}))
+        bar.update(int(counts[batch].sum()))
+    bar.close()
+    return out
+
+
+class FeatureCache:
+    """Read side of the cache: memory-mapped arrays for one exit layer."""
+
+    def __init__(self, path: str | os.PathLike, exit_layer: int):
+        self.path = Path(path)
+        meta_file = self.path / "meta.json"
+        if not meta_file.is_file():
+            raise MirrorTrainError(f"{self.path} is not a feature cache (no meta.json)")
+        self.meta = json.loads(meta_file.read_text())
+        layers = self.meta["config"]["exit_layers"]
+        if exit_layer not in layers:
+            raise MirrorTrainError(f"{self.path} caches exit layers {layers}, not ℓe={exit_layer}")
+        self.exit_layer = exit_layer
+        self.hidden = np.load(self.path / f"hidden_L{exit_layer}.npy", mmap_mode="r")
+        self.topk_ids = np.load(self.path / "topk_ids.npy", mmap_mode="r")
+        self.topk_logp = np.load(self.path / "topk_logp.npy", mmap_mode="r")
+        self.is_answer = np.load(self.path / "is_answer.npy", mmap_mode="r")
+        self.offsets = np.load(self.path / "seq_offsets.npy")
+        if not self._complete():  # an unfinished cache is an error, not a silently smaller training set
+            raise MirrorTrainError(f"{self.path} is incomplete; re-run the command that builds it to resume")
+
+    def _complete(self) -> bool:
+        lengths = (np.diff(self.offsets) + 1).tolist()
+        planned = len(_plan_batches(lengths, self.meta["config"]["max_tokens_per_batch"]))
+        return json.loads((self.path / "progress.json").read_text())["batches_done"] == planned
+
+    def __len__(self) -> int:
+        return int(self.meta["positions"])
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.offsets) - 1
+
+    def positions(self, answers_only: bool = False) -> np.ndarray:
+        return np.flatnonzero(self.is_answer) if answers_only else np.arange(len(self))
+
+    def batch(self, index: np.ndarray) -> dict[str, torch.Tensor]:
+        """Rows `index` as tensors: hidden (n, H) float32, topk_ids (n, k) long, topk_logp (n, k) float32."""
+        index = np.sort(index)  # sorted reads are much faster on a memory map
+        return {
+            "hidden": torch.from_numpy(self.hidden[index].astype(np.float32)),
+            "topk_ids": torch.from_numpy(self.topk_ids[index].astype(np.int64)),
+            "topk_logp": torch.from_numpy(self.topk_logp[index].astype(np.float32)),
+        }

@@ -1,0 +1,207 @@
+"""Self-distillation data: the target answers prompts with its own chat template; we keep its tokens.
+
+prompts (a local JSONL or any `datasets` source, multi-turn aware)
+  → encoded with the target's chat template, over-long prompts truncated from the left with a warning
+  → answered in length-sorted batches (greedy by default, or sampled at a set temperature)
+  → rows appended to `work/rows.jsonl` after every batch, so a killed run resumes where it stopped
+  → a `datasets` dataset on disk (`dataset/`) plus `provenance.json` (target, settings, counts, time).
+
+Turn k of a multi-turn prompt is answered after turn k−1, with the model's own earlier answer in the context,
+exactly as in Spec-Bench's protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mirror_train.errors import MirrorTrainError
+from mirror_train.generation import encode_chat, generate_batch
+from mirror_train.prompts import Prompt, load_prompts, parse_prompt
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ("id", "turn", "category", "prompt_ids", "answer_ids")
+
+
+@dataclass
+class SelfDistillConfig:
+    prompts: str | None = None  # a JSONL path, or a `datasets` name (e.g. org/name); default: shared prompts
+    split: str = "train"  # for `datasets` sources
+    num_prompts: int | None = 256  # a seeded sample; None = all
+    max_turns: int = 2
+    max_prompt_tokens: int = 1024  # longer prompts keep their last tokens (with a warning)
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy, the text the engine will see at T=0
+    batch_size: int = 64  # at most; long prompts get smaller batches (see generation.generate_batch)
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1 or self.batch_size < 1 or self.max_turns < 1 or self.max_prompt_tokens < 8:
+            raise MirrorTrainError("max_new_tokens, batch_size and max_turns must be ≥ 1; max_prompt_tokens ≥ 8")
+        if self.temperature < 0:
+            raise MirrorTrainError(f"temperature must be ≥ 0, got {self.temperature}")
+
+
+def read_prompt_source(source: str | None, split: str, limit: int | None, seed: int) -> list[Prompt]:
+    """Prompts from a local JSONL (strict, line-numbered errors) or a `datasets` source with a known schema."""
+    if source is None or source.endswith((".jsonl", ".json")) or Path(source).exists():
+        return load_prompts(source, limit=limit, seed=seed)
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source, split=split)
+    except Exception as e:  # datasets raises many types for "not found"; one line is what the user needs
+        raise MirrorTrainError(
+            f"could not load dataset {source!r} (split {split!r}): {str(e).splitlines()[0]}"
+        ) from None
+    if limit is not None and limit < len(ds):
+        ds = ds.shuffle(seed=seed).select(range(limit))
+    return [
+        parse_prompt(json.dumps(_to_prompt_record(row, i, ds.column_names)), f"{source}[{i}]")
+        for i, row in enumerate(ds)
+    ]
+
+
+def _to_prompt_record(row: dict, index: int, columns: list[str]) -> dict:
+    """Map common chat-dataset schemas onto {id, turns, category}."""
+    if "turns" in row or "prompt" in row:
+        record = {k: row[k] for k in ("turns", "prompt", "category") if k in row}
+    elif "messages" in row or "conversations" in row:
+        msgs = row.get("messages") or row.get("conversations")
+        turns = [m.get("content", m.get("value")) for m in msgs if m.get("role", m.get("from")) in ("user", "human")]
+        record = {"turns": turns}
+    elif "instruction" in row:
+        text = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+        record = {"turns": [text]}
+    else:
+        raise MirrorTrainError(
+            f"dataset has none of the expected columns (turns, prompt, messages, conversations, instruction); "
+            f"it has: {', '.join(columns)}"
+        )
+    record["id"] = str(row.get("id", row.get("question_id", index)))
+    return record
+
+
+def truncate_left(ids: list[int], limit: int) -> tuple[list[int], bool]:
+    """Keep the last `limit` tokens: the end of a prompt (the question, the generation prompt) matters most."""
+    return (ids[-limit:], True) if len(ids) > limit else (ids, False)
+
+
+def _read_rows(path: Path) -> list[dict]:
+    rows = []
+    if path.exists():
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    # a line cut by a kill mid-write: everything before it is intact, and it will be redone
+                    log.warning("%s:%d is incomplete; dropping it and what follows", path, lineno)
+                    break
+    return rows
+
+
+def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, target) -> Path:
+    """Generate (or resume) the dataset under `out_dir`; return the dataset directory."""
+    import datasets
+
+    cfg.validate()
+    out = Path(out_dir)
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    settings = {"target": target.name_or_path, **asdict(cfg)}
+    settings_file = work / "settings.json"
+    if settings_file.exists() and json.loads(settings_file.read_text()) != settings:
+        raise MirrorTrainError(
+            f"{out} holds a run with other settings ({settings_file}); use another output directory or delete it"
+        )
+    settings_file.write_text(json.dumps(settings, indent=2))
+
+    prompts = read_prompt_source(cfg.prompts, cfg.split, cfg.num_prompts, cfg.seed)
+    rows_file = work / "rows.jsonl"
+    rows = _read_rows(rows_file)
+    done = {(r["id"], r["turn"]): r for r in rows}
+    with open(rows_file, "w", encoding="utf-8") as f:  # rewrite without a torn tail
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    started = time.perf_counter()
+    truncated = 0
+    tok = target.tokenizer
+    for turn in range(cfg.max_turns):
+        todo, encoded = [], []
+        for p in prompts:
+            if turn >= len(p.turns) or (p.id, turn) in done:
+                continue
+            earlier = tuple(tok.decode(done[(p.id, t)]["answer_ids"], skip_special_tokens=True) for t in range(turn))
+            ids, cut = truncate_left(encode_chat(tok, p.messages(earlier)), cfg.max_prompt_tokens)
+            truncated += cut
+            todo.append(p)
+            encoded.append(ids)
+        by_length = sorted(range(len(todo)), key=lambda i: len(encoded[i]))
+        todo, encoded = [todo[i] for i in by_length], [encoded[i] for i in by_length]
+        flush_every = cfg.batch_size * 2  # a couple of batches per flush: resumable, and batches stay full
+        for start in range(0, len(todo), flush_every):
+            chunk = slice(start, start + flush_every)
+            answers = generate_batch(
+                target.model,
+                tok,
+                encoded[chunk],
+                cfg.max_new_tokens,
+                cfg.batch_size,
+                cfg.temperature,
+                seed=cfg.seed + start + 1000 * turn,
+                progress=False,
+            )
+            with open(rows_file, "a", encoding="utf-8") as f:
+                for p, ids, answer in zip(todo[chunk], encoded[chunk], answers):
+                    row = {"id": p.id, "turn": turn, "category": p.category, "prompt_ids": ids, "answer_ids": answer}
+                    done[(p.id, turn)] = row
+                    f.write(json.dumps(row) + "\n")
+            log.info("turn %d: %d/%d answered", turn + 1, min(start + flush_every, len(todo)), len(todo))
+    if truncated:
+        log.warning("%d prompts were longer than %d tokens and kept only their end", truncated, cfg.max_prompt_tokens)
+
+    rows = list(done.values())
+    dataset = datasets.Dataset.from_list(rows)
+    final = out / "dataset"
+    tmp = out / ".dataset.tmp"
+    dataset.save_to_disk(str(tmp))
+    if final.exists():
+        import shutil
+
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    provenance = {
+        **settings,
+        "rows": len(rows),
+        "answer_tokens": sum(len(r["answer_ids"]) for r in rows),
+        "prompt_tokens": sum(len(r["prompt_ids"]) for r in rows),
+        "truncated_prompts": truncated,
+        "seconds_this_run": round(time.perf_counter() - started, 1),
+    }
+    (out / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    return final
+
+
+def load_selfdistill(path: str | os.PathLike):
+    """Open a dataset written by `generate_selfdistill`, checking it has the columns training needs."""
+    import datasets
+
+    path = Path(path)
+    if (path / "dataset").is_dir():
+        path = path / "dataset"
+    if not path.is_dir():
+        raise MirrorTrainError(f"self-distillation dataset not found: {path}")
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:
+        raise MirrorTrainError(f"{path} is not a datasets dataset: {str(e).splitlines()[0]}") from None
+    missing = [c for c in ("prompt_ids", "answer_ids") if c not in ds.column_names]
+    if missing:
+        raise MirrorTrainError(f"{path} lacks column(s) {', '.join(missing)}; it has {', '.join(ds.column_names)}")
+    return ds

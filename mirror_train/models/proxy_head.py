@@ -1,0 +1,214 @@
+"""The early-exit proxy head: from the target's layer-ℓe state to a guess of its final next-token distribution.
+
+Every kind reads only what the target has at ℓe and ends in the target's own frozen final norm + LM head, which
+are borrowed from the target at bind time and never stored in the head's artifact:
+
+    lens       logits = head(norm(h))                             no parameters: the paper's choice, our baseline
+    residual   logits = head(norm(h + W h))                       W full (H×H) or low-rank (U Vᵀ, rank r); W starts at 0
+    mlp        logits = head(norm(h + W₂ silu(W₁ rms(h))))         a residual MLP adapter; W₂ starts at 0
+    lora_head  logits = (head + B A)(norm(h + W₂ silu(W₁ rms(h))))  the mlp adapter plus a LoRA on the LM head (peft)
+
+Zero-initialised residual branches mean every trained kind starts exactly at the logit lens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from mirror_train.errors import MirrorTrainError
+from mirror_train.metrics import check_kappa
+
+KINDS = ("lens", "residual", "mlp", "lora_head")
+
+
+@dataclass
+class ProxyHeadConfig:
+    kind: Literal["lens", "residual", "mlp", "lora_head"] = "mlp"
+    exit_layer: int = 15
+    kappa: int = 4  # candidates per position the engine sends (recorded; training's margin term uses it too)
+    rank: int | None = None  # residual: None = full H×H
+    mlp_hidden: int = 2304
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+
+    def validate(self) -> None:
+        check_kappa(self.kappa)
+        if self.rank is not None and self.rank < 1:
+            raise MirrorTrainError(f"rank must be ≥ 1 (or null for a full matrix), got {self.rank}")
+        if self.mlp_hidden < 1 or self.lora_rank < 1:
+            raise MirrorTrainError("mlp_hidden and lora_rank must be ≥ 1")
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class _LMHead(nn.Module):
+    """The target's LM head as a module peft can wrap (weights shared with the target, frozen)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        self.proj.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class ProxyHead(nn.Module):
+    def __init__(self, cfg: ProxyHeadConfig, hidden_size: int):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.hidden_size = hidden_size
+        h = hidden_size
+        if cfg.kind == "residual":
+            if cfg.rank is None:
+                self.w = nn.Linear(h, h, bias=False)
+                nn.init.zeros_(self.w.weight)
+            else:
+                self.down = nn.Linear(h, cfg.rank, bias=False)
+                self.up = nn.Linear(cfg.rank, h, bias=False)
+                nn.init.zeros_(self.up.weight)
+        elif cfg.kind in ("mlp", "lora_head"):
+            self.pre_norm = _RMSNorm(h)
+            self.fc1 = nn.Linear(h, cfg.mlp_hidden, bias=False)
+            self.fc2 = nn.Linear(cfg.mlp_hidden, h, bias=False)
+            nn.init.zeros_(self.fc2.weight)
+        elif cfg.kind != "lens":
+            raise MirrorTrainError(f"unknown proxy head kind {cfg.kind!r}; choose one of {', '.join(KINDS)}")
+        self._norm: nn.Module | None = None
+        self._head: nn.Module | None = None
+        self._softcap = None
+
+    # --- binding to the target's frozen final norm + LM head -----------------------------------------------------
+    def bind(self, target) -> ProxyHead:
+        """Attach the target's final norm and LM head (kept out of this module's parameters and state dict)."""
+        if target.hidden_size != self.hidden_size:
+            raise MirrorTrainError(
+                f"proxy head expects hidden size {self.hidden_size}, the target has {target.hidden_size}"
+            )
+        target.check_exit_layer(self.cfg.exit_layer)
+        object.__setattr__(self, "_norm", target.decoder.norm)
+        self._softcap = target._softcap
+        head = _LMHead(target.lm_head.weight)
+        if self.cfg.kind == "lora_head":
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(
+                r=self.cfg.lora_rank, lora_alpha=self.cfg.lora_alpha, target_modules=["proj"], lora_dropout=0.0
+            )
+            head = get_peft_model(head, lora)
+            self.lora = head  # registered: its LoRA A/B are trained and saved (the base weight stays frozen)
+        else:
+            object.__setattr__(self, "_head", head)
+        return self
+
+    @property
+    def lm_head(self) -> nn.Module:
+        head = self.lora if self.cfg.kind == "lora_head" else self._head
+        if head is None:
+            raise MirrorTrainError("proxy head is not bound to a target; call head.bind(target) first")
+        return head
+
+    # --- forward ---------------------------------------------------------------------------------------------------
+    def adapt(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(…, H) ℓe states → (…, H) states the final norm + LM head read."""
+        kind = self.cfg.kind
+        if kind == "residual":
+            delta = self.w(hidden) if self.cfg.rank is None else self.up(self.down(hidden))
+            return hidden + delta
+        if kind in ("mlp", "lora_head"):
+            return hidden + self.fc2(nn.functional.silu(self.fc1(self.pre_norm(hidden))))
+        return hidden
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(…, H) → (…, V) logits over the target's vocabulary."""
+        if self._norm is None:
+            raise MirrorTrainError("proxy head is not bound to a target; call head.bind(target) first")
+        logits = self.lm_head(self._norm(self.adapt(hidden)))
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+    @torch.inference_mode()
+    def candidates(self, hidden: torch.Tensor, kappa: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-κ candidate ids and their log-probs at each position: (…, κ) long, (…, κ) float."""
+        kappa = check_kappa(kappa or self.cfg.kappa)
+        top = torch.log_softmax(self(hidden).float(), dim=-1).topk(kappa, dim=-1)
+        return top.indices, top.values
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Only what this head learned: never the target's borrowed LM head."""
+        return {k: v for k, v in self.state_dict().items() if "base_layer" not in k and "_head" not in k}
+
+    def num_parameters(self) -> int:
+        return sum(v.numel() for v in self.trainable_state_dict().values())
+
+
+ARTIFACT_KIND = "proxy_head"
+
+
+def save_proxy_head(head: ProxyHead, out_dir, target, results_markdown: str | None = None, extra: dict | None = None):
+    """Export a self-describing artifact: config (kind, ℓe, κ, sizes), safetensors, the target, a model card."""
+    from dataclasses import asdict
+
+    from mirror_train.export import model_card, save_artifact
+
+    config = {**asdict(head.cfg), "hidden_size": head.hidden_size, "num_parameters": head.num_parameters()}
+    config.update(extra or {})
+    usage = (
+        "```python\nfrom mirror_train.models.proxy_head import load_proxy_head\n"
+        "from mirror_train.target import Target\n\n"
+        "target = Target.load(...)  # the target this head belongs to\nhead = load_proxy_head(PATH, target)\n"
+        f"state = target.prefix(ids, cache, {head.cfg.exit_layer})\nids, logp = head.candidates(state.hidden)\n```"
+    )
+    card = model_card(
+        kind=ARTIFACT_KIND,
+        title=f"{head.cfg.kind} proxy head at layer {head.cfg.exit_layer} for {target.name_or_path}",
+        target=target.signature(),
+        config=config,
+        results_markdown=results_markdown,
+        usage=usage,
+    )
+    return save_artifact(
+        out_dir,
+        kind=ARTIFACT_KIND,
+        config=config,
+        state_dict=head.trainable_state_dict(),
+        target=target.signature(),
+        card=card,
+    )
+
+
+def load_proxy_head(path, target, exit_layer: int | None = None) -> ProxyHead:
+    """Load an exported head, check it belongs to `target` (and to `exit_layer` if given), bind it."""
+    from mirror_train.config import config_from_dict
+    from mirror_train.export import load_artifact
+
+    meta, state, _ = load_artifact(path, expected_kind=ARTIFACT_KIND, target=target.signature())
+    stored = dict(meta["config"])
+    hidden_size = stored.pop("hidden_size")
+    stored.pop("num_parameters", None)
+    known = {f for f in ProxyHeadConfig.__dataclass_fields__}
+    cfg = config_from_dict(ProxyHeadConfig, {k: v for k, v in stored.items() if k in known}, where=str(path))
+    if exit_layer is not None and cfg.exit_layer != exit_layer:
+        raise MirrorTrainError(f"proxy head {path} was trained at ℓe={cfg.exit_layer}, not ℓe={exit_layer}")
+    head = ProxyHead(cfg, hidden_size).bind(target)
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "base_layer" not in k]
+    if missing or unexpected:
+        raise MirrorTrainError(
+            f"proxy head {path} does not match its config: missing {missing}, unexpected {unexpected}"
+        )
+    return head.eval()

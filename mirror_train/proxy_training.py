@@ -1,0 +1,152 @@
+"""Proxy-head distillation: the run config, the data it needs, one training step, held-out evaluation.
+
+`recipes/proxy_head.py` strings these together; everything here is importable and tested on its own.
+
+Data (each stage resumes or is skipped when already done, under `data.dir`):
+1. self-distillation: the target answers `data.selfdistill.num_prompts` training prompts (its own text: what the
+   engine sees at decode time);
+2. teacher forcing: `data.forced_prompts` further prompts, prompt text only, at prefill speed (~15× more
+   positions per second than generating);
+3. held-out: the target's own greedy answers to a sample of Spec-Bench questions, never trained on;
+4. feature caches of (1+2) and (3): ℓe states and top-k final log-probs (`data/features.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from mirror_train.data.features import FeatureCache, FeatureCacheConfig, TokenSequence, build_feature_cache
+from mirror_train.data.selfdistill import SelfDistillConfig, generate_selfdistill, load_selfdistill
+from mirror_train.errors import MirrorTrainError
+from mirror_train.generation import encode_chat
+from mirror_train.losses import topk_kl_loss, topk_margin_loss
+from mirror_train.metrics import merge_reports, topk_label_report
+from mirror_train.models.proxy_head import ProxyHeadConfig
+from mirror_train.prompts import default_specbench_file, load_prompts
+from mirror_train.training import LogConfig, OptimConfig
+
+log = logging.getLogger(__name__)
+
+
+def _heldout_default() -> SelfDistillConfig:
+    return SelfDistillConfig(prompts=None, num_prompts=60, seed=1, max_new_tokens=128)
+
+
+@dataclass
+class ProxyDataConfig:
+    dir: str = "outputs/data/smollm2"  # shared by runs on the same target, so heads of every kind reuse it
+    selfdistill: SelfDistillConfig = field(default_factory=SelfDistillConfig)
+    forced_prompts: int = 1500  # more training prompts, teacher-forced without answers; 0 = none
+    heldout: SelfDistillConfig = field(default_factory=_heldout_default)  # prompts: None = Spec-Bench questions
+    extra_exit_layers: list[int] = field(default_factory=list)  # also cache these (for ℓe sweeps)
+    top_k: int = 32
+    max_tokens_per_batch: int = 4096
+    train_on: Literal["all", "answers"] = "all"  # which cached positions to train on
+
+
+@dataclass
+class ProxyTrainConfig:
+    batch_size: int = 512  # positions per step (global)
+    epochs: float = 3.0
+    max_steps: int | None = None  # overrides epochs
+    max_minutes: float | None = None  # stop (checkpoint + export) after this much training time
+    temperature: float = 1.0
+    margin_weight: float = 0.0  # weight of the top-κ hinge beside the KL
+    margin: float = 1.0
+    eval_every: int = 200
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.batch_size < 1 or self.epochs <= 0 or self.temperature <= 0 or self.eval_every < 1:
+            raise MirrorTrainError("train: batch_size ≥ 1, epochs > 0, temperature > 0, eval_every ≥ 1")
+
+
+@dataclass
+class ProxyRunConfig:
+    output_dir: str = "outputs/proxy_head_smollm2"
+    target: str = "testbed"
+    head: ProxyHeadConfig = field(default_factory=ProxyHeadConfig)
+    data: ProxyDataConfig = field(default_factory=ProxyDataConfig)
+    train: ProxyTrainConfig = field(default_factory=ProxyTrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+# --- data -----------------------------------------------------------------------------------------------------
+def _layers_tag(layers: list[int]) -> str:
+    return "L" + "-".join(str(x) for x in sorted(set(layers)))
+
+
+def prepare_data(cfg: ProxyRunConfig, target) -> tuple[Path, Path]:
+    """Run (or resume, or skip) every data stage; return the train and held-out feature cache directories."""
+    data = cfg.data
+    root = Path(data.dir)
+    layers = sorted({cfg.head.exit_layer, *data.extra_exit_layers})
+    features = FeatureCacheConfig(exit_layers=layers, top_k=data.top_k, max_tokens_per_batch=data.max_tokens_per_batch)
+    train_dir = root / f"features_train_{_layers_tag(layers)}"
+    heldout_dir = root / f"features_heldout_{_layers_tag(layers)}"
+
+    sd = load_selfdistill(generate_selfdistill(data.selfdistill, root / "selfdistill", target))
+    sequences = [TokenSequence(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"])) for r in sd]
+    if data.forced_prompts:
+        used = set(sd["id"])
+        forced = load_prompts(
+            data.selfdistill.prompts, data.forced_prompts, seed=data.selfdistill.seed + 1, exclude=used
+        )
+        for p in forced:  # the first user turn under the chat template (later turns would need answers)
+            ids = encode_chat(target.tokenizer, [{"role": "user", "content": t} for t in p.turns[:1]])
+            ids = ids[-data.selfdistill.max_prompt_tokens :]
+            sequences.append(TokenSequence(ids, len(ids)))
+    sources = {"selfdistill": str(root / "selfdistill"), "forced_prompts": data.forced_prompts}
+    build_feature_cache(target, sequences, train_dir, features, sources)
+
+    heldout_cfg = data.heldout
+    if heldout_cfg.prompts is None:
+        heldout_cfg.prompts = str(default_specbench_file())
+    held = load_selfdistill(generate_selfdistill(heldout_cfg, root / "heldout", target))
+    held_seqs = [TokenSequence(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"])) for r in held]
+    build_feature_cache(target, held_seqs, heldout_dir, features, {"heldout": str(root / "heldout")})
+    return train_dir, heldout_dir
+
+
+def training_positions(cache: FeatureCache, train_on: str) -> np.ndarray:
+    positions = cache.positions(answers_only=train_on == "answers")
+    if len(positions) == 0:
+        raise MirrorTrainError(f"{cache.path} has no {train_on} positions to train on")
+    return positions
+
+
+# --- one step and evaluation ----------------------------------------------------------------------------------
+def proxy_loss(head, batch: dict[str, torch.Tensor], cfg: ProxyTrainConfig, kappa: int) -> tuple[torch.Tensor, dict]:
+    """KL to the target's top-k distribution, plus the optional top-κ hinge; returns (loss, logged parts)."""
+    logits = head(batch["hidden"])
+    kl = topk_kl_loss(logits, batch["topk_ids"], batch["topk_logp"], cfg.temperature).mean()
+    loss, parts = kl, {"kl": kl.item()}
+    if cfg.margin_weight:
+        hinge = topk_margin_loss(logits, batch["topk_ids"][:, 0], kappa, cfg.margin).mean()
+        loss = loss + cfg.margin_weight * hinge
+        parts["hinge"] = hinge.item()
+    return loss, parts
+
+
+@torch.inference_mode()
+def evaluate(head, cache: FeatureCache, kappas=(1, 4, 8), batch_size: int = 1024) -> dict[str, float]:
+    """Held-out Ω_κ (lower bound from top-k labels), hit_κ, top-1 and KL over the cache's answer positions."""
+    positions = cache.positions(answers_only=True)
+    reports, kls = [], []
+    for start in range(0, len(positions), batch_size):
+        batch = cache.batch(positions[start : start + batch_size])
+        logits = head(batch["hidden"])
+        reports.append(topk_label_report(logits, batch["topk_ids"], batch["topk_logp"], kappas))
+        kls.append(topk_kl_loss(logits, batch["topk_ids"], batch["topk_logp"]).sum().item())
+    report = merge_reports(reports)
+    report["kl"] = sum(kls) / len(positions)
+    return report

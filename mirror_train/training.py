@@ -1,0 +1,141 @@
+"""What both recipes share: checkpoints that survive a kill, step-determined batches, trackers, LR schedule.
+
+Resuming loses and repeats nothing because the batch at step s is a pure function of (seed, s): the epoch is
+s // steps_per_epoch and its permutation is drawn from seed + epoch. A checkpoint holds the step it was taken
+after (with accelerate's model, optimizer, scheduler and RNG states); the loop continues at the next step.
+Checkpoints are written into a temporary directory and renamed into place, so a kill mid-save leaves the previous
+one intact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mirror_train.errors import MirrorTrainError
+
+log = logging.getLogger(__name__)
+
+_CKPT_PREFIX = "step_"
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1  # cosine decay floor, as a fraction of lr
+    grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        if self.lr <= 0 or self.weight_decay < 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise MirrorTrainError("optim: lr > 0, weight_decay ≥ 0, warmup_steps ≥ 0, 0 ≤ min_lr_ratio ≤ 1")
+
+
+@dataclass
+class LogConfig:
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])  # also "wandb" (WANDB_MODE=offline works)
+    project: str = "mirror-train"
+    every: int = 10  # steps between logged training losses
+
+    def validate(self) -> None:
+        unknown = set(self.report_to) - {"tensorboard", "wandb", "all", "none"}
+        if unknown:
+            raise MirrorTrainError(f"log.report_to: unknown tracker(s) {sorted(unknown)}; use tensorboard, wandb")
+
+
+def cosine_lr(step: int, total: int, cfg: OptimConfig) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio·lr, as a multiplier of lr."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = min((step - cfg.warmup_steps) / max(total - cfg.warmup_steps, 1), 1.0)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def batch_indices(step: int, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> np.ndarray:
+    """Rows of the global batch at `step` that process `rank` of `world` takes (a function of step alone)."""
+    per_epoch = max(n // batch_size, 1)
+    epoch, i = divmod(step, per_epoch)
+    perm = np.random.default_rng(seed + epoch).permutation(n)
+    return perm[i * batch_size : (i + 1) * batch_size][rank::world]
+
+
+class Checkpoints:
+    """`output_dir/checkpoints/step_N/`: accelerate state + `trainer_state.json`; the newest `keep` are kept."""
+
+    def __init__(self, output_dir: str | os.PathLike, keep: int = 2):
+        self.root = Path(output_dir) / "checkpoints"
+        self.keep = keep
+
+    def latest(self) -> Path | None:
+        done = [p for p in self.root.glob(f"{_CKPT_PREFIX}*") if (p / "trainer_state.json").exists()]
+        return max(done, key=lambda p: int(p.name[len(_CKPT_PREFIX) :]), default=None)
+
+    def save(self, accelerator, step: int, extra: dict | None = None) -> Path:
+        final = self.root / f"{_CKPT_PREFIX}{step}"
+        tmp = self.root / f".tmp_{_CKPT_PREFIX}{step}"
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))  # every rank writes its RNG state; the main rank the rest
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **(extra or {})}, indent=2))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            for old in sorted(self.root.glob(f"{_CKPT_PREFIX}*"), key=lambda p: int(p.name[len(_CKPT_PREFIX) :]))[
+                : -self.keep
+            ]:
+                shutil.rmtree(old, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        return final
+
+    def resume(self, accelerator) -> int:
+        """Load the newest checkpoint if there is one; return the step to continue from (0 if none)."""
+        latest = self.latest()
+        if latest is None:
+            return 0
+        accelerator.load_state(str(latest))
+        state = json.loads((latest / "trainer_state.json").read_text())
+        log.info("resumed from %s", latest)
+        return int(state["step"])
+
+
+def make_accelerator(output_dir: str | os.PathLike, log_cfg: LogConfig, run_config: dict):
+    """An Accelerator with the configured trackers, initialised with the resolved run config."""
+    from accelerate import Accelerator
+
+    report = [r for r in log_cfg.report_to if r != "none"]
+    if "wandb" in report or "all" in report:
+        os.environ.setdefault("WANDB_DIR", str(Path(output_dir)))
+    accelerator = Accelerator(log_with=report or None, project_dir=str(output_dir))
+    if report:
+        accelerator.init_trackers(log_cfg.project, config=_flatten(run_config))
+    return accelerator
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    """Trackers (tensorboard's hparams) want flat scalar configs."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise MirrorTrainError("nothing to train: the model has no trainable parameters (the logit lens has none)")
+    return params

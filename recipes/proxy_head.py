@@ -1,0 +1,111 @@
+"""Distil an early-exit proxy head for a frozen target.
+
+    accelerate launch recipes/proxy_head.py --config recipes/configs/proxy_head_smollm2.yaml [key=value ...]
+
+setup (config, target, data and feature caches) → loop (KL to the target's top-k, held-out Ω/hit, checkpoints;
+resumes from the newest checkpoint in output_dir) → export (a self-describing artifact in output_dir/export).
+"""
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from mirror_train.config import config_to_dict, load_config, parse_overrides, save_config
+from mirror_train.data.features import FeatureCache
+from mirror_train.errors import MirrorTrainError
+from mirror_train.models.proxy_head import ProxyHead, save_proxy_head
+from mirror_train.proxy_training import ProxyRunConfig, evaluate, prepare_data, proxy_loss, training_positions
+from mirror_train.target import Target
+from mirror_train.training import Checkpoints, batch_indices, cosine_lr, make_accelerator, trainable_parameters
+
+
+def main(cfg: ProxyRunConfig) -> None:
+    out = Path(cfg.output_dir)
+    accelerator = make_accelerator(out, cfg.log, config_to_dict(cfg))
+
+    # --- setup: the target, its data (main process builds; the others wait), the head -------------------------
+    target = Target.load(cfg.target)
+    target.check_exit_layer(cfg.head.exit_layer)
+    if accelerator.is_main_process:
+        save_config(cfg, out / "config.yaml")
+        train_dir, heldout_dir = prepare_data(cfg, target)
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        train_dir, heldout_dir = prepare_data(cfg, target)  # all stages are done: this only resolves the paths
+    train, heldout = FeatureCache(train_dir, cfg.head.exit_layer), FeatureCache(heldout_dir, cfg.head.exit_layer)
+    positions = training_positions(train, cfg.data.train_on)
+
+    torch.manual_seed(cfg.train.seed)  # here, not earlier: data generation (when it runs) draws random numbers too
+    head = ProxyHead(cfg.head, target.hidden_size).bind(target)
+    optimizer = torch.optim.AdamW(trainable_parameters(head), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    steps_per_epoch = max(len(positions) // cfg.train.batch_size, 1)
+    total = cfg.train.max_steps or int(cfg.train.epochs * steps_per_epoch)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine_lr(s, total, cfg.optim))
+    head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
+    checkpoints = Checkpoints(out, keep=cfg.train.keep_checkpoints)
+    step = checkpoints.resume(accelerator)
+    accelerator.print(
+        f"{train.meta['positions']} cached positions ({len(positions)} trained on), {total} steps of "
+        f"{cfg.train.batch_size}; held-out answer positions: {len(heldout.positions(answers_only=True))}"
+    )
+
+    # --- loop ----------------------------------------------------------------------------------------------------
+    inner = accelerator.unwrap_model(head)
+    started = time.perf_counter()
+    bar = tqdm(total=total, initial=step, desc="proxy head", disable=not accelerator.is_local_main_process)
+    while step < total:
+        idx = batch_indices(
+            step,
+            len(positions),
+            cfg.train.batch_size,
+            cfg.train.seed,
+            accelerator.process_index,
+            accelerator.num_processes,
+        )
+        batch = {k: v.to(accelerator.device) for k, v in train.batch(positions[idx]).items()}
+        loss, parts = proxy_loss(head, batch, cfg.train, cfg.head.kappa)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(head.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        step += 1
+        bar.update(1)
+        if step % cfg.log.every == 0:
+            accelerator.log({f"train/{k}": v for k, v in parts.items()} | {"lr": scheduler.get_last_lr()[0]}, step=step)
+        out_of_time = cfg.train.max_minutes is not None and (time.perf_counter() - started) / 60 > cfg.train.max_minutes
+        if step % cfg.train.eval_every == 0 or step == total or out_of_time:
+            metrics = evaluate(inner, heldout)
+            accelerator.log({f"heldout/{k}": v for k, v in metrics.items()}, step=step)
+            bar.set_postfix(hit4=f"{metrics['hit_4']:.3f}", omega4=f"{metrics['omega_4']:.3f}")
+        if step % cfg.train.save_every == 0 or step == total or out_of_time:
+            checkpoints.save(accelerator, step, {"minutes": (time.perf_counter() - started) / 60})
+        if out_of_time:
+            accelerator.print(f"stopping at step {step}: train.max_minutes={cfg.train.max_minutes} reached")
+            break
+    bar.close()
+
+    # --- export --------------------------------------------------------------------------------------------------
+    if accelerator.is_main_process:
+        metrics = evaluate(inner, heldout)
+        table = "| metric | held-out |\n|---|---|\n" + "\n".join(
+            f"| {k} | {v:.4f} |" for k, v in metrics.items() if k != "positions"
+        )
+        path = save_proxy_head(inner, out / "export", target, results_markdown=table, extra={"steps": step})
+        accelerator.print(
+            f"exported {path}: " + ", ".join(f"{k}={metrics[k]:.3f}" for k in ("hit_1", "hit_4", "omega_4"))
+        )
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    args, rest = parser.parse_known_args()
+    try:
+        main(load_config(ProxyRunConfig, args.config, parse_overrides(rest)))
+    except MirrorTrainError as e:
+        raise SystemExit(f"error: {e}") from None

@@ -1,0 +1,149 @@
+"""Proxy heads, their losses and cached-label metrics, export/load, the data stages on a tiny target."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mirror_train.data.features import FeatureCache, FeatureCacheConfig, TokenSequence, build_feature_cache
+from mirror_train.data.selfdistill import SelfDistillConfig, generate_selfdistill, load_selfdistill
+from mirror_train.errors import MirrorTrainError
+from mirror_train.losses import topk_kl_loss, topk_margin_loss
+from mirror_train.metrics import exit_report, topk_label_report
+from mirror_train.models.proxy_head import KINDS, ProxyHead, ProxyHeadConfig, load_proxy_head, save_proxy_head
+from mirror_train.target import Target
+from tests.conftest import tiny_model, tiny_tokenizer
+
+
+def test_topk_kl_by_hand():
+    # target top-2 log-probs of ids 0 and 1: p̃ = softmax([log .6, log .2]) = [.75, .25]; proxy uniform over 4
+    logp = torch.tensor([[math.log(0.6), math.log(0.2)]])
+    ids = torch.tensor([[0, 1]])
+    proxy = torch.zeros(1, 4)
+    expected = 0.75 * math.log(0.75 / 0.25) + 0.25 * math.log(0.25 / 0.25)
+    assert topk_kl_loss(proxy, ids, logp).item() == pytest.approx(expected, rel=1e-5)
+    # a proxy equal to p̃ on those ids and -inf elsewhere has zero loss
+    exact = torch.tensor([[math.log(0.75), math.log(0.25), -1e9, -1e9]])
+    assert topk_kl_loss(exact, ids, logp).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_topk_margin_by_hand():
+    proxy = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    # target token 2 (logit 1): κ=1 → best other is 3.0 → relu(1 + 3 - 1) = 3; κ=3 → 3rd best other is 0.0 → 0
+    assert topk_margin_loss(proxy, torch.tensor([2]), kappa=1).item() == pytest.approx(3.0)
+    assert topk_margin_loss(proxy, torch.tensor([2]), kappa=3).item() == pytest.approx(0.0)
+    assert topk_margin_loss(proxy, torch.tensor([2]), kappa=2).item() == pytest.approx(1.0 + 2.0 - 1.0)
+
+
+def test_label_report_equals_exact_report_when_k_is_the_vocab():
+    torch.manual_seed(0)
+    final, proxy = torch.randn(50, 16), torch.randn(50, 16)
+    top = torch.log_softmax(final, -1).topk(16, -1)
+    approx = topk_label_report(proxy, top.indices, top.values, (1, 4, 8))
+    exact = exit_report(proxy, final, (1, 4, 8))
+    for key in ("hit_1", "hit_4", "hit_8", "omega_4", "oracle_omega_8", "top1"):
+        assert approx[key] == pytest.approx(exact[key], abs=1e-5), key
+    # with fewer labels Ω is a lower bound and hit stays exact
+    top4 = torch.log_softmax(final, -1).topk(4, -1)
+    partial = topk_label_report(proxy, top4.indices, top4.values, (1, 4, 8))
+    assert partial["omega_8"] <= exact["omega_8"] + 1e-6
+    assert partial["hit_8"] == pytest.approx(exact["hit_8"])
+
+
+@pytest.fixture
+def target():
+    return Target(tiny_model("llama", vocab=128), tiny_tokenizer(), "tiny")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_starts_at_the_logit_lens_and_round_trips(kind, target, tmp_path):
+    cfg = ProxyHeadConfig(kind=kind, exit_layer=2, rank=8 if kind == "residual" else None, mlp_hidden=16, lora_rank=4)
+    head = ProxyHead(cfg, target.hidden_size).bind(target)
+    hidden = torch.randn(2, 5, target.hidden_size)
+    torch.testing.assert_close(head(hidden), target.lens_logits(hidden))
+    for p in head.parameters():
+        if p.requires_grad:
+            p.data += 0.05 * torch.randn_like(p)
+    save_proxy_head(head, tmp_path / "head", target)
+    loaded = load_proxy_head(tmp_path / "head", target, exit_layer=2)
+    torch.testing.assert_close(loaded(hidden), head(hidden))
+    assert "proxy_head" in (tmp_path / "head" / "README.md").read_text()
+    ids, logp = loaded.candidates(hidden, kappa=4)
+    assert ids.shape == (2, 5, 4) and (logp[..., :-1] >= logp[..., 1:]).all()
+
+
+def test_head_never_stores_the_targets_lm_head(target):
+    head = ProxyHead(ProxyHeadConfig(kind="lora_head", exit_layer=2, mlp_hidden=8, lora_rank=2), 32).bind(target)
+    assert all("base_layer" not in k for k in head.trainable_state_dict())
+    assert head.num_parameters() == 32 + 2 * 32 * 8 + 2 * (32 + 128)
+
+
+def test_head_for_another_target_or_layer_is_refused(target, tmp_path):
+    head = ProxyHead(ProxyHeadConfig(kind="residual", exit_layer=2), 32).bind(target)
+    save_proxy_head(head, tmp_path / "head", target)
+    with pytest.raises(MirrorTrainError, match="ℓe=2, not ℓe=3"):
+        load_proxy_head(tmp_path / "head", target, exit_layer=3)
+    other = Target(tiny_model("llama", layers=6, vocab=128), tiny_tokenizer(), "deeper")
+    with pytest.raises(MirrorTrainError, match="num_layers: 4 vs 6"):
+        load_proxy_head(tmp_path / "head", other)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [(dict(kappa=0), "κ"), (dict(rank=0), "rank"), (dict(kind="tree"), "unknown proxy head kind")],
+)
+def test_bad_head_configs(bad, match):
+    with pytest.raises(MirrorTrainError, match=match):
+        ProxyHead(ProxyHeadConfig(**bad), 32)
+
+
+def test_unbound_head_says_so():
+    with pytest.raises(MirrorTrainError, match="not bound"):
+        ProxyHead(ProxyHeadConfig(kind="lens"), 32)(torch.zeros(1, 32))
+
+
+def test_selfdistill_resumes_and_features_match_the_target(tiny_target, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "\n".join(f'{{"id": "p{i}", "turns": ["how to write {i}", "and the {i}"]}}' for i in range(5)) + "\n"
+    )
+    cfg = SelfDistillConfig(prompts=str(prompts), num_prompts=None, max_new_tokens=6, batch_size=2)
+    out = generate_selfdistill(cfg, tmp_path / "sd", tiny_target)
+    ds = load_selfdistill(out)
+    assert len(ds) == 10 and sorted(set(ds["turn"])) == [0, 1]
+    # turn 2's prompt holds turn 1's answer: it is longer than turn 1's prompt plus the answer
+    first = {r["id"]: r for r in ds if r["turn"] == 0}
+    assert all(len(r["prompt_ids"]) > len(first[r["id"]]["prompt_ids"]) for r in ds if r["turn"] == 1)
+    # a second run with the same settings resumes (nothing to do); other settings are refused
+    rows = (tmp_path / "sd" / "work" / "rows.jsonl").read_text()
+    generate_selfdistill(cfg, tmp_path / "sd", tiny_target)
+    assert (tmp_path / "sd" / "work" / "rows.jsonl").read_text() == rows
+    with pytest.raises(MirrorTrainError, match="other settings"):
+        generate_selfdistill(SelfDistillConfig(prompts=str(prompts), max_new_tokens=7), tmp_path / "sd", tiny_target)
+
+    seqs = [TokenSequence(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"])) for r in ds]
+    fcfg = FeatureCacheConfig(exit_layers=[1, 3], top_k=5, max_tokens_per_batch=64)
+    build_feature_cache(tiny_target, seqs, tmp_path / "feat", fcfg, progress=False)
+    cache = FeatureCache(tmp_path / "feat", 3)
+    assert len(cache) == sum(len(s.ids) - 1 for s in seqs)
+    s = 7  # one sequence, checked against a direct forward
+    ids = torch.tensor([seqs[s].ids])
+    hidden, logits = tiny_target.hidden_states(ids)
+    lo, hi = cache.offsets[s], cache.offsets[s + 1]
+    np.testing.assert_allclose(cache.hidden[lo:hi], hidden[3][0, :-1].numpy(), atol=2e-3, rtol=1e-2)
+    top = torch.log_softmax(logits[0, :-1], -1).topk(5, -1)
+    assert (cache.topk_ids[lo:hi] == top.indices.numpy()).mean() > 0.99  # ties may swap in float16
+    assert cache.is_answer[lo:hi].sum() == len(seqs[s].ids) - seqs[s].answer_start
+    with pytest.raises(MirrorTrainError, match="not ℓe=2"):
+        FeatureCache(tmp_path / "feat", 2)
+
+
+def test_dataset_without_expected_columns(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list([{"text": "x"}]).save_to_disk(str(tmp_path / "ds"))
+    with pytest.raises(MirrorTrainError, match="lacks column"):
+        load_selfdistill(tmp_path / "ds")
