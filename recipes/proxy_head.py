@@ -17,9 +17,23 @@ from mirror_train.config import config_to_dict, load_config, parse_overrides, sa
 from mirror_train.data.features import FeatureCache
 from mirror_train.errors import MirrorTrainError
 from mirror_train.models.proxy_head import ProxyHead, save_proxy_head
-from mirror_train.proxy_training import ProxyRunConfig, evaluate, prepare_data, proxy_loss, training_positions
+from mirror_train.proxy_training import (
+    ProxyRunConfig,
+    evaluate,
+    feature_dirs,
+    prepare_data,
+    proxy_loss,
+    training_positions,
+)
 from mirror_train.target import Target
-from mirror_train.training import Checkpoints, batch_indices, cosine_lr, make_accelerator, trainable_parameters
+from mirror_train.training import (
+    Checkpoints,
+    batch_indices,
+    cosine_lr,
+    make_accelerator,
+    set_deepspeed_batch,
+    trainable_parameters,
+)
 
 
 def main(cfg: ProxyRunConfig) -> None:
@@ -31,10 +45,9 @@ def main(cfg: ProxyRunConfig) -> None:
     target.check_exit_layer(cfg.head.exit_layer)
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
-        train_dir, heldout_dir = prepare_data(cfg, target)
+        prepare_data(cfg, target)
     accelerator.wait_for_everyone()
-    if not accelerator.is_main_process:
-        train_dir, heldout_dir = prepare_data(cfg, target)  # all stages are done: this only resolves the paths
+    train_dir, heldout_dir = feature_dirs(cfg)
     train, heldout = FeatureCache(train_dir, cfg.head.exit_layer), FeatureCache(heldout_dir, cfg.head.exit_layer)
     positions = training_positions(train, cfg.data.train_on)
 
@@ -44,6 +57,7 @@ def main(cfg: ProxyRunConfig) -> None:
     steps_per_epoch = max(len(positions) // cfg.train.batch_size, 1)
     total = cfg.train.max_steps or int(cfg.train.epochs * steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine_lr(s, total, cfg.optim))
+    set_deepspeed_batch(accelerator, cfg.train.batch_size)
     head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
     checkpoints = Checkpoints(out, keep=cfg.train.keep_checkpoints)
     step = checkpoints.resume(accelerator)

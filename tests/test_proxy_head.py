@@ -147,3 +147,16 @@ def test_dataset_without_expected_columns(tmp_path):
     datasets.Dataset.from_list([{"text": "x"}]).save_to_disk(str(tmp_path / "ds"))
     with pytest.raises(MirrorTrainError, match="lacks column"):
         load_selfdistill(tmp_path / "ds")
+
+
+def test_push_cli_dry_run(target, tmp_path, capsys, monkeypatch):
+    from mirror_train.cli import train_main
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    save_proxy_head(ProxyHead(ProxyHeadConfig(kind="residual", exit_layer=2), 32).bind(target), tmp_path / "h", target)
+    assert train_main(["push", str(tmp_path / "h"), "--repo-id", "me/head", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "model.safetensors" in out and "nothing uploaded" in out
+    assert train_main(["push", str(tmp_path / "h"), "--repo-id", "me/head"]) == 2
+    assert "HF_TOKEN" in capsys.readouterr().err

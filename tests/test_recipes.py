@@ -119,6 +119,14 @@ def test_proxy_recipe_two_processes_gloo(proxy_config):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def test_proxy_recipe_deepspeed_zero2_cpu(proxy_config):
+    ds = ROOT / "recipes" / "accelerate" / "deepspeed_zero2.yaml"
+    launcher = ("accelerate", "launch", "--config_file", str(ds), "--num_processes", "1")
+    proc = run_recipe(proxy_config, launcher=launcher, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exported" in proc.stdout
+
+
 def test_bad_config_is_one_line(proxy_config):
     proc = run_recipe(proxy_config, "head.kindd=mlp")
     assert proc.returncode != 0

@@ -130,7 +130,7 @@ def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, tar
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
     started = time.perf_counter()
-    truncated = 0
+    truncated = generated = 0
     tok = target.tokenizer
     for turn in range(cfg.max_turns):
         todo, encoded = [], []
@@ -161,14 +161,17 @@ def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, tar
                 for p, ids, answer in zip(todo[chunk], encoded[chunk], answers):
                     row = {"id": p.id, "turn": turn, "category": p.category, "prompt_ids": ids, "answer_ids": answer}
                     done[(p.id, turn)] = row
+                    generated += 1
                     f.write(json.dumps(row) + "\n")
             log.info("turn %d: %d/%d answered", turn + 1, min(start + flush_every, len(todo)), len(todo))
     if truncated:
         log.warning("%d prompts were longer than %d tokens and kept only their end", truncated, cfg.max_prompt_tokens)
 
+    final = out / "dataset"
+    if generated == 0 and final.exists():  # nothing new: the dataset on disk is already complete
+        return final
     rows = list(done.values())
     dataset = datasets.Dataset.from_list(rows)
-    final = out / "dataset"
     tmp = out / ".dataset.tmp"
     dataset.save_to_disk(str(tmp))
     if final.exists():
