@@ -156,3 +156,46 @@ def evaluate(head, cache: FeatureCache, kappas=(1, 4, 8), batch_size: int = 1024
     report = merge_reports(reports)
     report["kl"] = sum(kls) / len(positions)
     return report
+
+
+# --- exact held-out evaluation and cost (benchmarks) -----------------------------------------------------------
+@torch.inference_mode()
+def evaluate_exact(target, heads: dict, rows, exit_layer: int, kappas=(1, 4, 8)) -> dict[str, dict[str, dict]]:
+    """Exact Ω_κ/hit_κ of each head against the target's full final distribution on held-out answer positions.
+
+    `heads` maps a name to a bound head (or None for the logit lens); `rows` are self-distilled rows
+    (`prompt_ids`, `answer_ids`, `category`). Returns {name: {"all": report, category: report, ...}}, plus the
+    oracle under the name "oracle".
+    """
+    from mirror_train.metrics import exit_report
+    from mirror_train.sweep import answer_positions
+
+    parts: dict[str, dict[str, list]] = {name: {} for name in [*heads, "oracle"]}
+    for row in rows:
+        if not row["answer_ids"]:
+            continue
+        ids = torch.tensor([row["prompt_ids"] + row["answer_ids"]], device=target.device)
+        hidden, logits = target.hidden_states(ids)
+        span = answer_positions(len(row["prompt_ids"]), len(row["answer_ids"]))
+        final, h = logits[0, span], hidden[exit_layer][0, span]
+        for name, head in heads.items():
+            proxy = target.lens_logits(h) if head is None else head(h)
+            parts[name].setdefault(row.get("category") or "all", []).append(exit_report(proxy, final, kappas))
+        parts["oracle"].setdefault(row.get("category") or "all", []).append(exit_report(final, final, kappas))
+    out = {}
+    for name, by_cat in parts.items():
+        out[name] = {cat: merge_reports(reports) for cat, reports in sorted(by_cat.items())}
+        out[name]["all"] = merge_reports([r for reports in by_cat.values() for r in reports])
+    return out
+
+
+def head_cost_ms(head, target, positions: int = 8, threads: int = 1) -> dict[str, float]:
+    """Median ms of the head on one verification window of `positions` ℓe states, on `threads` cores:
+    the adapter alone, and adapter + final norm + LM head (what the engine pays)."""
+    from mirror_train.timing import median_ms, torch_threads
+
+    h = torch.randn(1, positions, target.hidden_size, device=target.device)
+    with torch_threads(threads), torch.inference_mode():
+        full = median_ms(lambda: head(h) if head is not None else target.lens_logits(h))
+        adapter = median_ms(lambda: head.adapt(h)) if head is not None else 0.0
+    return {"adapter_ms": adapter, "total_ms": full}
