@@ -48,6 +48,8 @@ class ProxyDataConfig:
     top_k: int = 32
     max_tokens_per_batch: int = 4096
     train_on: Literal["all", "answers"] = "all"  # which cached positions to train on
+    answer_repeat: int = 1  # with train_on=all: answer positions appear this many times per epoch (the
+    # held-out metric is measured on answers, the target's own text, which the forced prompts lack)
 
 
 @dataclass
@@ -123,8 +125,13 @@ def prepare_data(cfg: ProxyRunConfig, target) -> tuple[Path, Path]:
     return train_dir, heldout_dir
 
 
-def training_positions(cache: FeatureCache, train_on: str) -> np.ndarray:
-    positions = cache.positions(answers_only=train_on == "answers")
+def training_positions(cache: FeatureCache, train_on: str, answer_repeat: int = 1) -> np.ndarray:
+    """Cached rows an epoch visits: all positions (answers repeated `answer_repeat` times) or answers only."""
+    answers = cache.positions(answers_only=True)
+    if train_on == "answers":
+        positions = answers
+    else:
+        positions = np.concatenate([cache.positions(), *[answers] * max(answer_repeat - 1, 0)])
     if len(positions) == 0:
         raise MirrorTrainError(f"{cache.path} has no {train_on} positions to train on")
     return positions

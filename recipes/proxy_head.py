@@ -49,7 +49,7 @@ def main(cfg: ProxyRunConfig) -> None:
     accelerator.wait_for_everyone()
     train_dir, heldout_dir = feature_dirs(cfg)
     train, heldout = FeatureCache(train_dir, cfg.head.exit_layer), FeatureCache(heldout_dir, cfg.head.exit_layer)
-    positions = training_positions(train, cfg.data.train_on)
+    positions = training_positions(train, cfg.data.train_on, cfg.data.answer_repeat)
 
     torch.manual_seed(cfg.train.seed)  # here, not earlier: data generation (when it runs) draws random numbers too
     head = ProxyHead(cfg.head, target.hidden_size).bind(target)

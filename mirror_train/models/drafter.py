@@ -1,0 +1,643 @@
+"""The draft model: a small Llama-shaped causal LM whose top layers carry Speculative-Streaming lookahead streams.
+
+Layout (parameter names follow Llama's, so a target's layers load unchanged):
+
+    embed_tokens                   the target's vocabulary: the draft reads target token ids
+    fusion (optional)              h0 = W [emb(x_t) ; rms(h_target_t)], W = [I | 0] at init (EAGLE-style)
+    layers[0 .. N-N_s-1]           transformers' LlamaDecoderLayer, unchanged
+    layers[N-N_s .. N-1]           MultiStreamDecoderLayer (multi_stream_attention.py): main + γ' lookahead streams
+    stream_embeddings              P_j, j = 1..γ'; stream j enters the first multi-stream layer as h_t + P_j
+    norm, lm_head                  one head for all streams: main → p(y_{t+1}), stream j → p(y_{t+1+j})
+    d2t (buffer, optional)         draft id → target id when the head covers a reduced vocabulary (EAGLE-3)
+
+Decisions the papers leave open:
+- Stream RoPE position = its anchor position t (see multi_stream_attention.py).
+- Feature conditioning reads the target's layer-ℓe state of each *input* position; a position without one (a token
+  the draft produced itself during a rollout) gets a zero feature, which rms maps to zero, so W sees [emb ; 0]. The
+  fusion starts as the identity on the embedding, so an untrained fusion is exactly the token-only model.
+- Logits stay in draft-id space inside `forward`; `draft_to_target`, `target_to_draft` and `to_target_logits` map.
+- The engine's rollout is a tree-batched forward over the KV cache: every branch's nodes go into one forward under
+  a 4-D ancestor mask, and their K/V are appended to the cache so the caller can keep one branch
+  (`keep_cache_path`) and drop the rest. Stream K/V never enter the cache.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from huggingface_hub.dataclasses import strict
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedConfig, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_rope_utils import RopeParameters
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.utils import ModelOutput
+
+from mirror_train.errors import MirrorTrainError
+from mirror_train.models.multi_stream_attention import (
+    MultiStreamDecoderLayer,
+    causal_mask,
+    stream_attention_mask,
+    tree_mask,
+)
+
+FEATURE_CONDITIONING = ("none", "target_hidden")
+IGNORE_INDEX = -100
+
+
+@strict
+class MirrorDrafterConfig(PreTrainedConfig):
+    """Llama fields plus the streams, the reduced vocabulary and the feature conditioning.
+
+    The defaults are SmolLM2-135M's sizes with 4 layers, 1 stream layer and 1 stream.
+    """
+
+    model_type = "mirror_drafter"
+
+    vocab_size: int = 49152  # the target's vocabulary: what the embedding reads
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 9
+    num_key_value_heads: int | None = None  # None: = num_attention_heads
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-5
+    rope_parameters: RopeParameters | dict | None = None  # None: default RoPE, θ = 10000
+    max_position_embeddings: int = 8192
+    initializer_range: float = 0.02  # also the std of the stream embeddings P_j
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    mlp_bias: bool = False
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    num_streams: int = 1  # γ': lookahead streams per position
+    num_stream_layers: int = 1  # N_s: the top N_s layers are multi-stream
+    stream_loss_weight: float = 0.1  # α_j for every stream j ≥ 1 (the paper's value); α_0 = 1
+    draft_vocab_size: int | None = None  # None: the head covers the whole vocabulary; else rows of `d2t`
+    feature_conditioning: str = "none"  # "none" | "target_hidden"
+    target_hidden_size: int | None = None  # "target_hidden": the width of the target's hidden state
+    target_exit_layer: int | None = None  # "target_hidden": ℓe, the target layer whose output is read (1-based)
+    target: dict | None = None  # TargetSignature.to_dict() of the target this draft belongs to
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        super().__post_init__(**kwargs)
+
+    def validate_drafter(self) -> None:
+        """Run by `@strict` after construction and by `validate()` (the model calls it too)."""
+        n = self.num_hidden_layers
+        if self.num_streams < 0:
+            raise MirrorTrainError(f"num_streams (γ') must be ≥ 0, got {self.num_streams}")
+        if not 0 <= self.num_stream_layers <= n:
+            raise MirrorTrainError(
+                f"num_stream_layers (N_s) must be in 0..{n} (the draft has {n} layers), got {self.num_stream_layers}"
+            )
+        if self.num_streams > 0 and self.num_stream_layers == 0:
+            raise MirrorTrainError(f"num_streams={self.num_streams} needs num_stream_layers ≥ 1 to carry the streams")
+        if self.draft_vocab_size is not None:
+            if not 1 <= self.draft_vocab_size <= self.vocab_size:
+                raise MirrorTrainError(
+                    f"draft_vocab_size must be in 1..{self.vocab_size} (the vocabulary size), "
+                    f"got {self.draft_vocab_size}"
+                )
+            if self.tie_word_embeddings:
+                raise MirrorTrainError("tie_word_embeddings needs the full vocabulary (draft_vocab_size=None)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise MirrorTrainError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads})"
+            )
+        if self.feature_conditioning not in FEATURE_CONDITIONING:
+            raise MirrorTrainError(
+                f"feature_conditioning must be one of {', '.join(FEATURE_CONDITIONING)}, "
+                f"got {self.feature_conditioning!r}"
+            )
+        if self.feature_conditioning == "target_hidden" and not (self.target_hidden_size or 0) >= 1:
+            raise MirrorTrainError("feature_conditioning='target_hidden' needs target_hidden_size ≥ 1")
+
+
+@dataclass
+class MirrorDrafterOutput(ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # (B, T, V_draft): main stream, p(y_{t+1})
+    stream_logits: torch.Tensor | None = None  # (B, T, S, V_draft): stream j, p(y_{t+1+j}); None without streams
+    cache: DynamicCache | None = None
+
+
+class Rollout(NamedTuple):
+    """One branch's rollout."""
+
+    tokens: list[int]  # γ target ids
+    logprobs: list[float]  # log q of each token under the draft distribution it was chosen from
+    num_forwards: int  # batched forwards the rollout took
+    nodes: list[int]  # uncommitted cache slots of this branch: its root tokens, then the rollout tokens fed back
+
+
+class FeatureFusion(nn.Module):
+    """h0 = W [emb(x_t) ; rms(h_target_t)]; W starts as [I | 0], so at init h0 = emb(x_t) exactly."""
+
+    def __init__(self, hidden_size: int, target_hidden_size: int, eps: float):
+        super().__init__()
+        self.norm = LlamaRMSNorm(target_hidden_size, eps=eps)
+        self.proj = nn.Linear(hidden_size + target_hidden_size, hidden_size, bias=False)
+
+    def forward(self, emb: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
+        """emb (B, T, H), target_hidden (B, T, H_target) → (B, T, H)."""
+        return self.proj(torch.cat([emb, self.norm(target_hidden)], dim=-1))
+
+
+class MirrorDrafterForCausalLM(PreTrainedModel):
+    config_class = MirrorDrafterConfig
+    _no_split_modules = ["LlamaDecoderLayer", "MultiStreamDecoderLayer"]
+    _supports_sdpa = True
+    _tied_weights_keys = {"lm_head.weight": "embed_tokens.weight"}  # only when config.tie_word_embeddings
+
+    def __init__(self, config: MirrorDrafterConfig):
+        super().__init__(config)
+        config.validate()  # a config edited after construction is checked again here
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.fusion = (
+            FeatureFusion(c.hidden_size, c.target_hidden_size, c.rms_norm_eps)
+            if c.feature_conditioning == "target_hidden"
+            else None
+        )
+        first = self.first_stream_layer
+        self.layers = nn.ModuleList(
+            [(LlamaDecoderLayer if i < first else MultiStreamDecoderLayer)(c, i) for i in range(c.num_hidden_layers)]
+        )
+        self.stream_embeddings = nn.Embedding(c.num_streams, c.hidden_size)  # P_j; normal(0, initializer_range)
+        self.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(c)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size or c.vocab_size, bias=False)
+        d2t = torch.arange(c.draft_vocab_size) if c.draft_vocab_size is not None else None
+        self.register_buffer("d2t", d2t)  # persistent: saved with the weights
+        self.post_init()
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        # Matched on the Linear itself: transformers skips custom-code modules without parameters of their own.
+        if self.fusion is not None and module is self.fusion.proj:
+            weight = module.weight
+            init.copy_(weight, torch.eye(*weight.shape, dtype=weight.dtype, device=weight.device))  # [I | 0]
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Module) -> None:
+        self.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    @property
+    def first_stream_layer(self) -> int:
+        """0-based index of the first multi-stream layer."""
+        return self.config.num_hidden_layers - self.config.num_stream_layers
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    # --- the forward -----------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: DynamicCache | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        attention_mask_4d: torch.Tensor | None = None,
+        target_hidden: torch.Tensor | None = None,
+        num_streams: int | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> MirrorDrafterOutput:
+        """Main-stream logits for every position and, with streams, the lookahead logits.
+
+        input_ids (B, T) target ids; cache: main K/V of the L earlier positions, appended to (streams never are);
+        position_ids (1 or B, T), default L..L+T-1; attention_mask (B, L+T) the usual 1/0 padding mask;
+        attention_mask_4d (1 or B, 1, T, L+T) an additive float mask that replaces the causal one (tree nodes);
+        target_hidden (B, T, H_target) the target's layer-ℓe states (feature conditioning only; None = zeros);
+        num_streams: how many of the γ' streams to run (None = all, 0 = main only, cheaper);
+        labels (B, T) target ids, unshifted, -100 = ignore: adds the Speculative Streaming loss.
+        """
+        S = self.config.num_streams if num_streams is None else num_streams
+        if not 0 <= S <= self.config.num_streams:
+            raise MirrorTrainError(f"num_streams must be in 0..{self.config.num_streams}, got {num_streams}")
+        B, T = input_ids.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        h = self.embed_tokens(input_ids)  # (B, T, H)
+        if self.fusion is not None:
+            if target_hidden is None:
+                target_hidden = h.new_zeros(B, T, self.config.target_hidden_size)
+            h = self.fusion(h, target_hidden.to(h.dtype))
+        elif target_hidden is not None:
+            raise MirrorTrainError("target_hidden was given, but this draft has feature_conditioning='none'")
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=h.device).unsqueeze(0)  # (1, T)
+        if attention_mask is not None and attention_mask_4d is not None:
+            raise MirrorTrainError("give attention_mask (padding) or attention_mask_4d (a full mask), not both")
+        if attention_mask_4d is None:
+            mask = causal_mask(past, T, attention_mask, h.dtype, h.device)
+        else:
+            mask = attention_mask_4d.to(h.dtype)
+        if mask.shape[-2:] != (T, past + T):
+            raise MirrorTrainError(f"attention mask covers {tuple(mask.shape[-2:])}, expected {(T, past + T)}")
+        rope = self.rotary_emb(h, position_ids)  # (cos, sin), each (1 or B, T, head_dim)
+        s_mask = stream_attention_mask(mask, S) if S else None
+
+        streams = None
+        for i, layer in enumerate(self.layers):
+            if i < self.first_stream_layer:
+                h = layer(
+                    h,
+                    attention_mask=mask,
+                    position_ids=position_ids,
+                    cache=cache,
+                    use_cache=cache is not None,
+                    position_embeddings=rope,
+                )
+                continue
+            if i == self.first_stream_layer and S:
+                streams = h[:, :, None, :] + self.stream_embeddings.weight[:S]  # (B, T, S, H): h_t + P_j
+            h, streams = layer(h, streams, rope, mask, s_mask, cache)
+
+        logits = self.lm_head(self.norm(h))  # (B, T, V_draft)
+        stream_logits = None if streams is None else self.lm_head(self.norm(streams))  # (B, T, S, V_draft)
+        loss = None
+        if labels is not None:
+            loss = speculative_streaming_loss(
+                logits, stream_logits, self.target_to_draft(labels), self.config.stream_loss_weight
+            )
+        return MirrorDrafterOutput(loss=loss, logits=logits, stream_logits=stream_logits, cache=cache)
+
+    # --- vocabulary maps -------------------------------------------------------------------------------------
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.d2t is None else self.d2t[draft_ids]
+
+    def target_to_draft(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids → draft ids; ids outside the draft vocabulary (and negative ones) → -100."""
+        if self.d2t is None:
+            return target_ids.masked_fill(target_ids < 0, IGNORE_INDEX)
+        t2d = torch.full((self.config.vocab_size,), IGNORE_INDEX, dtype=torch.long, device=self.d2t.device)
+        t2d[self.d2t] = torch.arange(len(self.d2t), device=self.d2t.device)
+        return torch.where(target_ids >= 0, t2d[target_ids.clamp(min=0)], IGNORE_INDEX)
+
+    def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V_draft) → (..., V_target) with -inf for the ids the draft cannot propose."""
+        if self.d2t is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.d2t, logits)
+
+    # --- building a draft from its target ----------------------------------------------------------------------
+    @classmethod
+    def from_target(
+        cls,
+        target_model,
+        num_layers: int,
+        num_streams: int = 1,
+        num_stream_layers: int = 1,
+        draft_vocab: Sequence[int] | torch.Tensor | None = None,
+        feature_conditioning: str = "none",
+        target_exit_layer: int | None = None,
+        tokenizer=None,
+    ) -> MirrorDrafterForCausalLM:
+        """A draft initialised from a Llama-shaped transformers target (or a `Target`): its embeddings, its first
+        `num_layers` decoder layers, its final norm and its LM head (only the `draft_vocab` rows when given: a list
+        of target ids, which becomes `d2t`). `target_exit_layer` (ℓe, default N/2) is for feature conditioning.
+        With a tokenizer, the target's signature is stored in the config for `check_compatible`.
+        """
+        model, tokenizer = _unwrap_target(target_model, tokenizer)
+        tc = model.config
+        decoder = model.get_decoder()
+        n = len(decoder.layers)
+        _check_llama_shaped(tc)
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= n:
+            raise MirrorTrainError(f"num_layers must be in 1..{n} (the target has {n} layers), got {num_layers!r}")
+        head = model.get_output_embeddings().weight  # (V, H)
+        if draft_vocab is not None:
+            draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long).flatten()
+            if len(draft_vocab) == 0 or len(set(draft_vocab.tolist())) != len(draft_vocab):
+                raise MirrorTrainError("draft_vocab must be a non-empty list of distinct target token ids")
+            if int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= head.shape[0]:
+                raise MirrorTrainError(f"draft_vocab holds ids outside the target's vocabulary 0..{head.shape[0] - 1}")
+        conditioned = feature_conditioning == "target_hidden"
+        if conditioned:
+            from mirror_train.target import check_exit_layer
+
+            target_exit_layer = check_exit_layer(n // 2 if target_exit_layer is None else target_exit_layer, n)
+        signature = None
+        if tokenizer is not None:
+            from mirror_train.export import TargetSignature
+
+            signature = TargetSignature.of(tc, tokenizer, getattr(tc, "name_or_path", "") or "unknown").to_dict()
+
+        config = MirrorDrafterConfig(
+            vocab_size=head.shape[0],
+            hidden_size=tc.hidden_size,
+            intermediate_size=tc.intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=tc.num_attention_heads,
+            num_key_value_heads=tc.num_key_value_heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            hidden_act=tc.hidden_act,
+            rms_norm_eps=tc.rms_norm_eps,
+            rope_parameters=copy.deepcopy(tc.rope_parameters),
+            max_position_embeddings=tc.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(tc, "tie_word_embeddings", False)) and draft_vocab is None,
+            attention_bias=bool(getattr(tc, "attention_bias", False)),
+            mlp_bias=bool(getattr(tc, "mlp_bias", False)),
+            pad_token_id=getattr(tc, "pad_token_id", None),
+            bos_token_id=getattr(tc, "bos_token_id", None),
+            eos_token_id=getattr(tc, "eos_token_id", None),
+            num_streams=num_streams,
+            num_stream_layers=num_stream_layers,
+            draft_vocab_size=None if draft_vocab is None else len(draft_vocab),
+            feature_conditioning=feature_conditioning,
+            target_hidden_size=tc.hidden_size if conditioned else None,
+            target_exit_layer=target_exit_layer,
+            target=signature,
+        )
+        draft = cls(config).to(device=head.device, dtype=head.dtype)
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(decoder.embed_tokens.weight)
+            for i in range(num_layers):
+                _load_layer(draft.layers[i], decoder.layers[i], i + 1)
+            draft.norm.load_state_dict(decoder.norm.state_dict())
+            if draft_vocab is not None:
+                draft.lm_head.weight.copy_(head[draft_vocab.to(head.device)])
+                draft.d2t.copy_(draft_vocab)
+            elif not config.tie_word_embeddings:
+                draft.lm_head.weight.copy_(head)
+        return draft.eval()
+
+    # --- the engine's interface: tree-batched forwards over the KV cache ----------------------------------------
+    @torch.no_grad()
+    def tree_forward(
+        self,
+        tokens: Sequence[int],
+        parents: Sequence[int],
+        cache: DynamicCache,
+        committed_len: int | None = None,
+        num_streams: int | None = None,
+        target_hidden: torch.Tensor | None = None,
+    ) -> MirrorDrafterOutput:
+        """One forward over N new tree nodes; their main K/V are appended to `cache`.
+
+        The cache holds the committed context (its first `committed_len` positions, default all of it) and then the
+        uncommitted nodes of earlier tree forwards. `parents` gives the parent of every uncommitted node, old ones
+        first, then the N new ones, as an index into that list (-1: the end of the committed context); a parent
+        comes before its child. A node attends to the committed context, its ancestors and itself, at position
+        committed_len + depth (depth 0 for a node whose parent is -1). tokens: the N new target ids;
+        target_hidden (1, N, H_target) or None. Returns logits (1, N, V_draft), stream_logits (1, N, S, V_draft).
+        """
+        cached = cache.get_seq_length()
+        committed = cached if committed_len is None else committed_len
+        n_new, n_all = len(tokens), len(parents)
+        if not 0 <= committed <= cached or n_all != cached - committed + n_new:
+            raise MirrorTrainError(
+                f"parents must cover the {cached - committed} uncommitted cached nodes and the {n_new} new ones "
+                f"(got {n_all}; the cache holds {cached}, committed_len={committed})"
+            )
+        if n_new == 0:
+            raise MirrorTrainError("tree_forward needs at least one new node")
+        mask, depth = tree_mask(parents, committed, n_new, self.dtype)  # (1, 1, N, cached + N), (N,)
+        device = self.device
+        return self(
+            torch.tensor([list(tokens)], device=device),
+            cache=cache,
+            position_ids=(committed + depth).unsqueeze(0).to(device),  # (1, N)
+            attention_mask_4d=mask.to(device),
+            target_hidden=target_hidden,
+            num_streams=num_streams,
+        )
+
+    @torch.no_grad()
+    def rollout(
+        self,
+        cache: DynamicCache,
+        roots: Sequence[Sequence[int]],
+        gamma: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        use_streams: bool = True,
+        root_hidden: Sequence[torch.Tensor] | None = None,
+    ) -> list[Rollout]:
+        """Roll out γ draft tokens after each branch root, all branches batched in one tree forward per pass.
+
+        `cache` holds the committed context (all of it counts as committed); each root is the non-empty list of
+        target ids that follows it on that branch. Each pass feeds every branch's newest tokens as tree nodes and
+        reads the last node: its main logits give the next token, stream j's give the token j further on, so a
+        pass yields 1 + γ' tokens and a rollout takes ⌈γ / (1 + γ')⌉ forwards (`use_streams=False`: one token per
+        pass, γ forwards). Greedy at temperature 0 (log-probs then at temperature 1), else each token is sampled
+        from softmax(logits / T), the distribution its log-prob refers to. root_hidden: per branch the target's
+        ℓe states of the root tokens, (len(root), H_target) (feature conditioning; rolled-out tokens get zeros).
+
+        The fed nodes stay in the cache after the committed context; `Rollout.nodes` names a branch's slots, for
+        `keep_cache_path(cache, committed_len, rollout.nodes[:k])`.
+        """
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+            raise MirrorTrainError(f"gamma must be an int ≥ 1, got {gamma!r}")
+        if not roots or any(len(root) == 0 for root in roots):
+            raise MirrorTrainError("rollout needs at least one branch and every root needs at least one token")
+        if temperature < 0:
+            raise MirrorTrainError(f"temperature must be ≥ 0, got {temperature}")
+        streams = self.config.num_streams if use_streams else 0
+        device = self.device
+        committed = cache.get_seq_length()
+        parents: list[int] = []  # every uncommitted node's parent, in cache order
+        nodes: list[list[int]] = [[] for _ in roots]
+        tokens: list[list[int]] = [[] for _ in roots]
+        logprobs: list[list[float]] = [[] for _ in roots]
+        feed = [list(root) for root in roots]
+        features = None
+        if root_hidden is not None:
+            features = torch.cat([torch.as_tensor(f) for f in root_hidden]).unsqueeze(0).to(device)  # (1, N, H_t)
+        passes = 0
+        while len(tokens[0]) < gamma:
+            # 1. Append each branch's newest tokens as a chain after its last node.
+            new_tokens, first_new = [], len(parents)
+            for b, branch_feed in enumerate(feed):
+                for token in branch_feed:
+                    parents.append(nodes[b][-1] if nodes[b] else -1)
+                    nodes[b].append(len(parents) - 1)
+                    new_tokens.append(token)
+            # 2. One forward for all branches; only the streams still needed this pass are run.
+            s = min(streams, gamma - len(tokens[0]) - 1)
+            out = self.tree_forward(new_tokens, parents, cache, committed, num_streams=s, target_hidden=features)
+            passes += 1
+            features = None
+            # 3. Each branch's last node: main → the next token, stream j → the token j further on.
+            last = torch.tensor([branch[-1] - first_new for branch in nodes], device=device)  # (branches,)
+            logits = out.logits[0, last, None]  # (branches, 1, V_draft)
+            if s:
+                logits = torch.cat([logits, out.stream_logits[0, last]], dim=1)  # (branches, 1 + s, V_draft)
+            chosen, logp = _choose(logits.float(), temperature, generator)  # (branches, 1 + s) each
+            chosen = self.draft_to_target(chosen)
+            for b in range(len(roots)):
+                feed[b] = chosen[b].tolist()
+                tokens[b] += feed[b]
+                logprobs[b] += logp[b].tolist()
+        return [Rollout(tokens[b], logprobs[b], passes, nodes[b]) for b in range(len(roots))]
+
+
+def speculative_streaming_loss(
+    logits: torch.Tensor, stream_logits: torch.Tensor | None, labels: torch.Tensor, stream_weight: float = 0.1
+) -> torch.Tensor:
+    """CE(next token) + stream_weight · Σ_j CE(the token j further ahead): the Speculative Streaming objective.
+
+    logits (B, T, V); stream_logits (B, T, S, V) or None; labels (B, T) draft ids, unshifted, -100 = ignore:
+    position t is trained on labels[t+1] and its stream j on labels[t+1+j]. Returns a scalar.
+    """
+    T = logits.shape[1]
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+    num_streams = 0 if stream_logits is None else stream_logits.shape[2]
+    for j in range(1, min(num_streams, T - 2) + 1):
+        ahead = stream_logits[:, : T - 1 - j, j - 1].flatten(0, 1).float()  # (B·(T-1-j), V)
+        loss = loss + stream_weight * F.cross_entropy(ahead, labels[:, 1 + j :].flatten(), ignore_index=IGNORE_INDEX)
+    return loss
+
+
+def keep_cache_path(cache: DynamicCache, committed_len: int, node_indices: Sequence[int]) -> None:
+    """Keep the committed context and the given uncommitted nodes, in that order; drop every other cached node.
+
+    node_indices count from the first uncommitted slot (as `Rollout.nodes` and tree parents do) and should form a
+    root-to-node path, so that the kept K/V read as one plain sequence.
+    """
+    length = cache.get_seq_length()
+    if not 0 <= committed_len <= length:
+        raise MirrorTrainError(f"committed_len {committed_len} is outside the cache's 0..{length}")
+    if any(not 0 <= i < length - committed_len for i in node_indices):
+        raise MirrorTrainError(f"node indices must be in 0..{length - committed_len - 1}, got {list(node_indices)}")
+    keep = torch.cat([torch.arange(committed_len), committed_len + torch.as_tensor(node_indices, dtype=torch.long)])
+    for layer in cache.layers:
+        if layer.get_seq_length() == 0:
+            continue
+        if getattr(layer, "is_sliding", False):
+            raise MirrorTrainError("keep_cache_path supports full-attention cache layers only")
+        index = keep.to(layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, index)  # (B, nkv, committed + k, d)
+        layer.values = layer.values.index_select(-2, index)
+
+
+def frequent_token_map(
+    token_id_lists: Iterable[Iterable[int]], size: int, vocab_size: int, special_ids: Iterable[int] = ()
+) -> torch.Tensor:
+    """The `draft_vocab` / d2t of a reduced head: the `size` most frequent ids in the data, special ids always in.
+
+    Ties go to the lower id; when the data holds fewer distinct ids, the lowest unused ids fill the rest.
+    Returns (size,) long, sorted ascending.
+    """
+    special = list(dict.fromkeys(int(i) for i in special_ids))
+    if not 1 <= size <= vocab_size:
+        raise MirrorTrainError(f"draft vocabulary size must be in 1..{vocab_size}, got {size}")
+    if len(special) > size:
+        raise MirrorTrainError(f"{len(special)} special ids do not fit a draft vocabulary of {size}")
+    counts = Counter(int(i) for ids in token_id_lists for i in ids)
+    bad = [i for i in [*special, *counts] if not 0 <= i < vocab_size]
+    if bad:
+        raise MirrorTrainError(f"token ids {sorted(set(bad))[:5]} are outside the vocabulary 0..{vocab_size - 1}")
+    chosen = set(special)
+    for token, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
+        if len(chosen) == size:
+            break
+        chosen.add(token)
+    filler = (i for i in range(vocab_size) if i not in chosen)
+    while len(chosen) < size:
+        chosen.add(next(filler))
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def check_compatible(drafter: MirrorDrafterForCausalLM, target_model, tokenizer=None) -> None:
+    """Raise MirrorTrainError unless `drafter` can draft for `target_model` (a transformers model or a `Target`).
+
+    Checks the vocabulary size, the feature-conditioning target layer, and with a tokenizer the stored target
+    signature (tokenizer fingerprint included; a draft without a stored signature gets the vocabulary check only).
+    """
+    model, tokenizer = _unwrap_target(target_model, tokenizer)
+    dc, tc = drafter.config, model.config
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if dc.vocab_size != vocab:
+        raise MirrorTrainError(
+            f"the draft's vocabulary has {dc.vocab_size} ids, the target's {vocab}: they do not share a tokenizer"
+        )
+    if dc.feature_conditioning == "target_hidden":
+        n = len(model.get_decoder().layers)
+        if dc.target_hidden_size != tc.hidden_size or not 1 <= (dc.target_exit_layer or 0) < n:
+            raise MirrorTrainError(
+                f"the draft reads a target hidden state of width {dc.target_hidden_size} at layer "
+                f"{dc.target_exit_layer}; the target has width {tc.hidden_size} and {n} layers"
+            )
+    if tokenizer is None:
+        return
+    if dc.target is None:
+        if len(tokenizer) > vocab:
+            raise MirrorTrainError(f"the tokenizer has {len(tokenizer)} tokens, more than the draft's {vocab} ids")
+        return
+    from mirror_train.export import TargetSignature
+
+    here = TargetSignature.of(tc, tokenizer, getattr(tc, "name_or_path", "") or "unknown")
+    TargetSignature.from_dict(dc.target).check_matches(here, what="draft model")
+
+
+def _unwrap_target(target_model, tokenizer):
+    """A transformers model and a tokenizer from either a model or a mirror_train `Target`."""
+    from mirror_train.target import Target
+
+    if isinstance(target_model, Target):
+        return target_model.model, tokenizer if tokenizer is not None else target_model.tokenizer
+    return target_model, tokenizer
+
+
+def _check_llama_shaped(tc) -> None:
+    """Refuse target families whose layers load into Llama's names but compute something else."""
+    if tc.model_type.startswith("gemma"):
+        raise MirrorTrainError(
+            f"cannot build a draft from a {tc.model_type} target: it scales embeddings and uses (1 + w) norms"
+        )
+    sliding = getattr(tc, "sliding_window", None) and getattr(tc, "use_sliding_window", True)
+    if sliding or "sliding_attention" in (getattr(tc, "layer_types", None) or ()):
+        raise MirrorTrainError(f"cannot build a draft from a {tc.model_type} target with sliding-window attention")
+    if getattr(tc, "final_logit_softcapping", None):
+        raise MirrorTrainError(f"cannot build a draft from a {tc.model_type} target with logit soft-capping")
+
+
+def _load_layer(draft_layer: nn.Module, target_layer: nn.Module, number: int) -> None:
+    try:
+        draft_layer.load_state_dict(target_layer.state_dict())
+    except RuntimeError as err:
+        reason = str(err).strip().splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
+        raise MirrorTrainError(f"target layer {number} is not Llama-shaped: {reason}") from None
+
+
+def _choose(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one id per row of logits (..., V): argmax at T = 0, else a sample of softmax(logits / T).
+
+    Returns the ids and their log-probs under the distribution used (temperature 1 for greedy).
+    """
+    if temperature == 0:
+        logp = F.log_softmax(logits, dim=-1)
+        chosen = logits.argmax(-1)
+    else:
+        logp = F.log_softmax(logits / temperature, dim=-1)
+        flat = logp.exp().flatten(0, -2)  # (rows, V)
+        chosen = torch.multinomial(flat, 1, generator=generator).view(logits.shape[:-1])
+    return chosen, logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+
+
+AutoConfig.register(MirrorDrafterConfig.model_type, MirrorDrafterConfig, exist_ok=True)
+AutoModelForCausalLM.register(MirrorDrafterConfig, MirrorDrafterForCausalLM, exist_ok=True)

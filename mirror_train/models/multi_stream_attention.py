@@ -1,0 +1,164 @@
+"""Multi-stream attention (Speculative Streaming, arXiv 2402.11131): a Llama decoder layer that also carries γ'
+lookahead streams at every position.
+
+For every main position t there are S = γ' stream tokens (t, 1..S). Who sees whom:
+
+    main t        → main positions ≤ t (cached and new; in a tree: its ancestors and itself)    never a stream
+    stream (t, j) → the same main positions as main t, and the streams (t, 1..j)
+
+so the main stream computes exactly what a plain Llama layer with the same weights would, and stream j is untouched
+by streams after it. Only main K/V go into the KV cache: a stream exists for one forward and is then forgotten.
+
+RoPE position of stream (t, j): the anchor position t (the paper leaves it open). The streams then differ from each
+other only through their learned stream embeddings P_j and what they attend to, and a stream's query/key rotation is
+the one its anchor already has, so no position beyond the main sequence is ever used.
+
+The masks are additive floats over [cached ; new] keys: `causal_mask` for a plain sequence, `tree_mask` for tree
+nodes (each attends to the committed context, its ancestors and itself), `stream_attention_mask` for the streams.
+Masked entries hold the dtype's minimum rather than -inf, so a fully masked row (a padding query) gets a harmless
+uniform attention instead of NaN.
+
+The layer keeps Llama's parameter names (`self_attn.{q,k,v,o}_proj`, `mlp`, the two norms), so a target's decoder
+layer loads into it unchanged. Attention is torch's `scaled_dot_product_attention` with additive float masks; GQA
+key/value heads are repeated to the query heads first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, apply_rotary_pos_emb, repeat_kv
+
+from mirror_train.errors import MirrorTrainError
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def causal_mask(
+    past: int, length: int, padding: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The causal mask (1 or B, 1, T, L+T) of T new positions after L cached ones.
+
+    padding (B, L+T): 1 = a real token, 0 = padding, or None.
+    """
+    rows = torch.arange(past, past + length, device=device)  # (T,) absolute positions of the queries
+    allowed = torch.arange(past + length, device=device)[None, :] <= rows[:, None]  # (T, L+T)
+    allowed = allowed[None, None]  # (1, 1, T, L+T)
+    if padding is not None:
+        allowed = allowed & padding.bool()[:, None, None, :]  # (B, 1, T, L+T)
+    return _additive(allowed, dtype)
+
+
+def tree_mask(
+    parents: Sequence[int], committed: int, num_new: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mask of the last `num_new` of M uncommitted tree nodes, and their depths.
+
+    parents (M,): each node's parent as an index into the M nodes, -1 for the end of the `committed` context; a
+    parent comes before its child. Returns (1, 1, num_new, committed + M) and (num_new,) long (depth 0 under -1).
+    """
+    m = len(parents)
+    ancestors = torch.eye(m, dtype=torch.bool)  # [i, k]: node k is node i or one of its ancestors
+    depth = torch.zeros(m, dtype=torch.long)
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise MirrorTrainError(f"node {i} has parent {p}: a parent must be -1 or an earlier node")
+        if p >= 0:
+            ancestors[i] |= ancestors[p]
+            depth[i] = depth[p] + 1
+    allowed = torch.cat([torch.ones(num_new, committed, dtype=torch.bool), ancestors[m - num_new :]], dim=1)
+    return _additive(allowed, dtype)[None, None], depth[m - num_new :]
+
+
+def stream_attention_mask(main_mask: torch.Tensor, num_streams: int) -> torch.Tensor:
+    """The additive mask of the stream queries over [main keys ; stream keys].
+
+    main_mask (B, 1, T, K): the main queries' additive mask over the K = cached + new main keys.
+    Returns (B, 1, T·S, K + T·S), rows and stream columns ordered t-major ((t, 1), …, (t, S), (t+1, 1), …).
+    Memory grows as (T·S)²: fine for drafting and for training sequences of a few thousand tokens.
+    """
+    B, _, T, _ = main_mask.shape
+    S = num_streams
+    to_main = main_mask.repeat_interleave(S, dim=2)  # (B, 1, T·S, K): stream (t, j) sees what main t sees
+    t = torch.arange(T, device=main_mask.device).repeat_interleave(S)  # (T·S,) anchor of each stream token
+    j = torch.arange(S, device=main_mask.device).repeat(T)  # (T·S,) stream index
+    allowed = (t[:, None] == t[None, :]) & (j[None, :] <= j[:, None])  # (T·S, T·S): streams 1..j at the same t
+    return torch.cat([to_main, _additive(allowed, main_mask.dtype).expand(B, 1, -1, -1)], dim=-1)
+
+
+def multi_stream_attention(
+    attn,
+    x: torch.Tensor,
+    xs: torch.Tensor | None,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    main_mask: torch.Tensor,
+    stream_mask: torch.Tensor | None,
+    cache=None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Self-attention of the main stream and its lookahead streams with the weights of a LlamaAttention `attn`.
+
+    x (B, T, H) normed main states; xs (B, T, S, H) normed stream states or None; position_embeddings the (cos, sin)
+    of the main positions, (B, T, d); main_mask (B, 1, T, L+T) additive over [cache ; new]; stream_mask from
+    `stream_attention_mask(main_mask, S)`. Appends the main K/V (only) to `cache` at `attn.layer_idx`.
+    Returns the attention outputs after o_proj: (B, T, H) and (B, T, S, H) or None.
+    """
+    B, T, _ = x.shape
+    d = attn.head_dim
+    cos, sin = position_embeddings
+    q = attn.q_proj(x).view(B, T, -1, d).transpose(1, 2)  # (B, nh, T, d)
+    k = attn.k_proj(x).view(B, T, -1, d).transpose(1, 2)  # (B, nkv, T, d)
+    v = attn.v_proj(x).view(B, T, -1, d).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    if cache is not None:
+        k, v = cache.update(k, v, attn.layer_idx)  # (B, nkv, L+T, d)
+    groups = attn.num_key_value_groups
+    out = F.scaled_dot_product_attention(
+        q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=main_mask, scale=attn.scaling
+    )  # (B, nh, T, d)
+    out = attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, H)
+    if xs is None:
+        return out, None
+
+    S = xs.shape[2]
+    qs = attn.q_proj(xs).view(B, T * S, -1, d).transpose(1, 2)  # (B, nh, T·S, d), t-major
+    ks = attn.k_proj(xs).view(B, T * S, -1, d).transpose(1, 2)  # (B, nkv, T·S, d)
+    vs = attn.v_proj(xs).view(B, T * S, -1, d).transpose(1, 2)
+    # Each stream token takes its anchor's rotation (see the module docstring).
+    qs, ks = apply_rotary_pos_emb(qs, ks, cos.repeat_interleave(S, dim=1), sin.repeat_interleave(S, dim=1))
+    keys = repeat_kv(torch.cat([k, ks], dim=2), groups)  # (B, nh, L+T + T·S, d)
+    values = repeat_kv(torch.cat([v, vs], dim=2), groups)
+    out_s = F.scaled_dot_product_attention(qs, keys, values, attn_mask=stream_mask, scale=attn.scaling)
+    out_s = attn.o_proj(out_s.transpose(1, 2).reshape(B, T, S, -1))  # (B, T, S, H)
+    return out, out_s
+
+
+class MultiStreamDecoderLayer(LlamaDecoderLayer):
+    """A LlamaDecoderLayer (same parameters) whose forward also advances the lookahead streams.
+
+    The streams go through the same norms, attention projections and MLP as the main stream.
+    """
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        streams: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor,
+        stream_mask: torch.Tensor | None = None,
+        cache=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden (B, T, H), streams (B, T, S, H) or None → the same two after this layer."""
+        xs = None if streams is None else self.input_layernorm(streams)
+        a, a_s = multi_stream_attention(
+            self.self_attn, self.input_layernorm(hidden), xs, position_embeddings, attention_mask, stream_mask, cache
+        )
+        hidden = hidden + a
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        if streams is not None:
+            streams = streams + a_s
+            streams = streams + self.mlp(self.post_attention_layernorm(streams))
+        return hidden, streams

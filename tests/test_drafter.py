@@ -1,0 +1,404 @@
+"""The Speculative-Streaming draft on tiny random Llamas: stream semantics, KV cache, tree rollout, save/load."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mirror_train.errors import MirrorTrainError
+from mirror_train.models.drafter import (
+    MirrorDrafterConfig,
+    MirrorDrafterForCausalLM,
+    check_compatible,
+    frequent_token_map,
+    keep_cache_path,
+)
+from mirror_train.target import Target
+from tests.conftest import tiny_model, tiny_tokenizer
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", layers=4, vocab=VOCAB)
+
+
+def drafter(llama, **kwargs):
+    kwargs = {"num_layers": 4, "num_streams": 2, "num_stream_layers": 2, **kwargs}
+    return MirrorDrafterForCausalLM.from_target(llama, **kwargs)
+
+
+def tokens(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def prefill(model, context: torch.Tensor):
+    cache = model.new_cache()
+    model(context, cache=cache, num_streams=0)
+    return cache
+
+
+# --- the main stream is the plain model --------------------------------------------------------------------------
+@pytest.mark.parametrize("streams,stream_layers", [(0, 0), (2, 2), (3, 4)])
+def test_main_stream_equals_the_target_with_and_without_cache(llama, streams, stream_layers):
+    draft = drafter(llama, num_streams=streams, num_stream_layers=stream_layers)
+    x = tokens(10, batch=2)
+    with torch.no_grad():
+        reference = llama(x).logits
+        torch.testing.assert_close(draft(x).logits, reference, atol=1e-5, rtol=0)
+        cache = draft.new_cache()
+        first, second = draft(x[:, :6], cache=cache), draft(x[:, 6:], cache=cache)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], dim=1), reference, atol=1e-5, rtol=0)
+    assert cache.get_seq_length() == 10  # main K/V only: no stream ever entered the cache
+
+
+def test_a_shallow_draft_equals_the_targets_first_layers(llama):
+    draft = drafter(llama, num_layers=2, num_streams=1, num_stream_layers=1)
+    shallow = tiny_model("llama", layers=2, vocab=VOCAB)
+    shallow.load_state_dict(llama.state_dict(), strict=False)  # layers 3 and 4 are unexpected and dropped
+    x = tokens(7)
+    with torch.no_grad():
+        torch.testing.assert_close(draft(x).logits, shallow(x).logits, atol=1e-5, rtol=0)
+
+
+def test_a_tied_target_gives_a_tied_draft():
+    tied = tiny_model("llama", layers=2, vocab=VOCAB)
+    tied.config.tie_word_embeddings = True
+    tied.tie_weights()
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    draft = MirrorDrafterForCausalLM.from_target(tied, num_layers=2)
+    assert draft.config.tie_word_embeddings and draft.lm_head.weight is draft.embed_tokens.weight
+    x = tokens(6)
+    with torch.no_grad():
+        torch.testing.assert_close(draft(x).logits, tied(x).logits, atol=1e-5, rtol=0)
+
+
+def test_streams_never_change_the_main_stream(llama):
+    draft = drafter(llama)
+    x = tokens(9, batch=2)
+    with torch.no_grad():
+        main_only = draft(x, num_streams=0)
+        with_streams = draft(x)
+        draft.stream_embeddings.weight.add_(torch.randn_like(draft.stream_embeddings.weight))
+        perturbed = draft(x)
+    assert main_only.stream_logits is None and with_streams.stream_logits.shape == (2, 9, 2, VOCAB)
+    assert torch.equal(with_streams.logits, main_only.logits)
+    assert torch.equal(perturbed.logits, main_only.logits)
+    assert not torch.allclose(perturbed.stream_logits, with_streams.stream_logits)
+
+
+# --- what a stream may see -----------------------------------------------------------------------------------------
+def test_a_future_main_token_does_not_reach_earlier_streams(llama):
+    draft = drafter(llama)
+    x = tokens(9)
+    y = x.clone()
+    y[0, 6] = (y[0, 6] + 1) % VOCAB
+    with torch.no_grad():
+        a, b = draft(x).stream_logits, draft(y).stream_logits
+    torch.testing.assert_close(a[:, :6], b[:, :6], atol=1e-6, rtol=0)
+    assert not torch.allclose(a[:, 6:], b[:, 6:])
+
+
+def test_stream_j_does_not_see_stream_j_plus_1(llama):
+    draft = drafter(llama, num_streams=3)
+    x = tokens(8)
+    with torch.no_grad():
+        before = draft(x).stream_logits
+        draft.stream_embeddings.weight[1].add_(1.0)  # stream 2 (of 1..3)
+        after = draft(x).stream_logits
+    torch.testing.assert_close(after[:, :, 0], before[:, :, 0], atol=1e-6, rtol=0)
+    assert not torch.allclose(after[:, :, 1], before[:, :, 1])
+    assert not torch.allclose(after[:, :, 2], before[:, :, 2])  # stream 3 sees stream 2
+
+
+def test_streams_at_one_position_ignore_the_streams_at_others(llama):
+    """Streams at t computed after a main-only prefill (no earlier streams ever existed) match a full forward."""
+    draft = drafter(llama)
+    x = tokens(8)
+    with torch.no_grad():
+        full = draft(x).stream_logits
+        cache = prefill(draft, x[:, :5])
+        incremental = draft(x[:, 5:], cache=cache).stream_logits
+    torch.testing.assert_close(incremental, full[:, 5:], atol=1e-5, rtol=0)
+
+
+# --- save / load -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"draft_vocab": [0, 2, 5, 7, *range(20, 60)]},
+        {"feature_conditioning": "target_hidden", "target_exit_layer": 2},
+    ],
+)
+def test_save_pretrained_round_trips_through_auto_model(llama, tmp_path, kwargs):
+    from transformers import AutoModelForCausalLM
+
+    import mirror_train  # noqa: F401  (registers the Auto classes)
+
+    draft = drafter(llama, **kwargs)
+    with torch.no_grad():
+        draft.stream_embeddings.weight.normal_()
+        if draft.fusion is not None:
+            draft.fusion.proj.weight.normal_(std=0.1)  # not the init value, so the load must really restore it
+    draft.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(loaded) is MirrorDrafterForCausalLM
+    x = tokens(6)
+    features = torch.randn(1, 6, 32) if draft.fusion is not None else None
+    with torch.no_grad():
+        a, b = draft(x, target_hidden=features), loaded(x, target_hidden=features)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.stream_logits, b.stream_logits)
+    if "draft_vocab" in kwargs:
+        assert torch.equal(loaded.d2t, torch.tensor(kwargs["draft_vocab"]))
+        assert a.logits.shape[-1] == len(kwargs["draft_vocab"])
+
+
+def test_tied_embeddings_stay_tied_through_save_and_load(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    import mirror_train  # noqa: F401
+
+    draft = MirrorDrafterForCausalLM(tiny_draft_config(tie_word_embeddings=True))
+    assert draft.lm_head.weight is draft.embed_tokens.weight
+    draft.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.embed_tokens.weight
+    x = tokens(5)
+    with torch.no_grad():
+        assert torch.equal(draft(x).logits, loaded(x).logits)
+
+
+# --- the reduced vocabulary ------------------------------------------------------------------------------------------
+def test_reduced_vocabulary_maps_between_draft_and_target_ids(llama):
+    ids = [3, 9, 4, 100]
+    draft = drafter(llama, draft_vocab=ids)
+    assert draft.draft_to_target(torch.tensor([0, 3])).tolist() == [3, 100]
+    assert draft.target_to_draft(torch.tensor([100, 3, 5, -100])).tolist() == [3, 0, -100, -100]
+    x = tokens(4)
+    with torch.no_grad():
+        full = llama(x).logits
+        logits = draft(x).logits
+    torch.testing.assert_close(logits, full[..., ids], atol=1e-5, rtol=0)
+    mapped = draft.to_target_logits(logits)
+    torch.testing.assert_close(mapped[..., ids], logits)
+    assert mapped[..., 5].isneginf().all()
+
+
+def test_frequent_token_map_keeps_specials_and_the_most_frequent_ids():
+    data = [[5, 5, 5, 7, 7, 9], [7, 5, 11, 11, 11, 11]]
+    assert frequent_token_map(data, size=3, vocab_size=20, special_ids=[2]).tolist() == [2, 5, 11]
+    assert frequent_token_map(data, size=6, vocab_size=20).tolist() == [0, 1, 5, 7, 9, 11]  # filled from the bottom
+    with pytest.raises(MirrorTrainError, match="outside the vocabulary"):
+        frequent_token_map([[25]], size=3, vocab_size=20)
+    with pytest.raises(MirrorTrainError, match="do not fit"):
+        frequent_token_map(data, size=1, vocab_size=20, special_ids=[0, 1])
+
+
+# --- the engine's rollout --------------------------------------------------------------------------------------------
+def reference_rollout(draft, sequence: list[int], gamma: int, use_streams: bool) -> list[int]:
+    """Greedy rollout by uncached full forwards, one pass at a time, in target ids."""
+    produced = []
+    while len(produced) < gamma:
+        with torch.no_grad():
+            out = draft(torch.tensor([sequence + produced]))
+        step = out.logits[0, -1:].argmax(-1)
+        if use_streams:
+            step = torch.cat([step, out.stream_logits[0, -1].argmax(-1)])
+        produced += draft.draft_to_target(step).tolist()[: gamma - len(produced)]
+    return produced
+
+
+@pytest.mark.parametrize("use_streams,forwards", [(True, 2), (False, 5)])
+def test_tree_batched_rollout_equals_each_branch_alone(llama, use_streams, forwards):
+    draft = drafter(llama)
+    context = tokens(6, seed=1)
+    roots = [[5], [7, 9], [11, 3, 4], [7, 9]]  # ragged, and two identical branches
+    batched = draft.rollout(prefill(draft, context), roots, gamma=5, use_streams=use_streams)
+    for root, result in zip(roots, batched):
+        alone = draft.rollout(prefill(draft, context), [root], gamma=5, use_streams=use_streams)[0]
+        assert result.tokens == alone.tokens
+        assert result.num_forwards == forwards == math.ceil(5 / (1 + 2 * use_streams))
+        torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+        assert result.tokens == reference_rollout(draft, context[0].tolist() + root, 5, use_streams)
+    assert batched[1].tokens == batched[3].tokens
+
+
+def test_rollout_returns_target_ids_with_a_reduced_vocabulary(llama):
+    ids = list(range(64, 128))
+    draft = drafter(llama, draft_vocab=ids)
+    context = tokens(5)
+    result = draft.rollout(prefill(draft, context), [[1], [2, 3]], gamma=4)
+    for root, r in zip([[1], [2, 3]], result):
+        assert all(t in ids for t in r.tokens)
+        assert r.tokens == reference_rollout(draft, context[0].tolist() + root, 4, True)
+
+
+def test_sampled_rollout_is_reproducible_and_reports_its_logprobs(llama):
+    draft = drafter(llama)
+    context = tokens(5)
+    runs = [
+        draft.rollout(
+            prefill(draft, context), [[1], [2]], gamma=4, temperature=0.8, generator=torch.Generator().manual_seed(3)
+        )
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+    assert all(len(r.tokens) == len(r.logprobs) == 4 and all(lp <= 0 for lp in r.logprobs) for r in runs[0])
+
+
+# --- the KV cache ----------------------------------------------------------------------------------------------------
+def test_keep_cache_path_keeps_exactly_the_chosen_branch(llama):
+    draft = drafter(llama)
+    context = tokens(6, seed=2)
+    cache = prefill(draft, context)
+    roots = [[5], [7, 9], [11]]
+    results = draft.rollout(cache, roots, gamma=5)
+    fed = sum(len(r.nodes) for r in results)
+    assert cache.get_seq_length() == 6 + fed  # only main tokens: each fed node adds one slot, streams none
+    chosen = results[1]
+    kept = chosen.nodes[:4]  # the root and the first two rollout tokens
+    keep_cache_path(cache, 6, kept)
+    assert cache.get_seq_length() == 6 + 4
+    branch = roots[1] + chosen.tokens[:2]
+    next_token = torch.tensor([[chosen.tokens[2]]])
+    with torch.no_grad():
+        continued = draft(next_token, cache=cache)
+        scratch = draft(torch.cat([context, torch.tensor([branch]), next_token], dim=1))
+    torch.testing.assert_close(continued.logits[0, -1], scratch.logits[0, -1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(continued.stream_logits[0, -1], scratch.stream_logits[0, -1], atol=1e-5, rtol=0)
+
+
+def test_tree_forward_positions_follow_depth(llama):
+    """A node at depth d after a committed context of L sits at position L + d, whatever its slot."""
+    draft = drafter(llama)
+    context = tokens(4)
+    cache = prefill(draft, context)
+    # Two branches interleaved in slot order: a = [1, 2], b = [3, 4].
+    out = draft.tree_forward([1, 3, 2, 4], [-1, -1, 0, 1], cache)
+    with torch.no_grad():
+        a = draft(torch.cat([context, torch.tensor([[1, 2]])], dim=1))
+        b = draft(torch.cat([context, torch.tensor([[3, 4]])], dim=1))
+    torch.testing.assert_close(out.logits[0, [0, 2]], a.logits[0, -2:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logits[0, [1, 3]], b.logits[0, -2:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.stream_logits[0, 3], b.stream_logits[0, -1], atol=1e-5, rtol=0)
+
+
+# --- feature conditioning --------------------------------------------------------------------------------------------
+def test_feature_fusion_starts_as_the_token_only_model(llama):
+    plain = drafter(llama)
+    conditioned = drafter(llama, feature_conditioning="target_hidden", target_exit_layer=2)
+    conditioned.stream_embeddings.load_state_dict(plain.stream_embeddings.state_dict())  # P_j start random
+    assert conditioned.config.target_hidden_size == 32
+    x = tokens(7)
+    features = torch.randn(1, 7, 32)
+    with torch.no_grad():
+        reference = plain(x)
+        at_init = conditioned(x, target_hidden=features)
+        assert torch.equal(at_init.logits, reference.logits)
+        assert torch.equal(at_init.stream_logits, reference.stream_logits)
+        conditioned.fusion.proj.weight[:, 32:].normal_(std=0.1)
+        trained = conditioned(x, target_hidden=features)
+        without = conditioned(x)  # no features: zeros, so the token half alone
+    assert not torch.allclose(trained.logits, reference.logits)
+    torch.testing.assert_close(without.logits, reference.logits, atol=1e-5, rtol=0)
+    with pytest.raises(MirrorTrainError, match="feature_conditioning='none'"):
+        plain(x, target_hidden=features)
+
+
+def test_rollout_reads_the_roots_target_features(llama):
+    draft = drafter(llama, feature_conditioning="target_hidden", target_exit_layer=2)
+    with torch.no_grad():
+        draft.fusion.proj.weight[:, 32:].normal_(std=0.3)
+    context = tokens(5)
+    roots = [[1], [2, 3]]
+    features = [torch.randn(1, 32), torch.randn(2, 32)]
+    batched = draft.rollout(prefill(draft, context), roots, gamma=3, root_hidden=features)
+    for root, feature, result in zip(roots, features, batched):
+        assert result.tokens == draft.rollout(prefill(draft, context), [root], gamma=3, root_hidden=[feature])[0].tokens
+    unconditioned = draft.rollout(prefill(draft, context), roots, gamma=3)
+    assert [r.logprobs for r in unconditioned] != [r.logprobs for r in batched]
+
+
+# --- training and scratch init ---------------------------------------------------------------------------------------
+def tiny_draft_config(**kwargs) -> MirrorDrafterConfig:
+    sizes = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_streams=2,
+        num_stream_layers=1,
+    )
+    return MirrorDrafterConfig(**{**sizes, **kwargs})
+
+
+def test_a_scratch_draft_trains_its_streams():
+    torch.manual_seed(0)
+    draft = MirrorDrafterForCausalLM(tiny_draft_config(feature_conditioning="target_hidden", target_hidden_size=48))
+    assert 0 < draft.stream_embeddings.weight.std() < 0.05
+    assert torch.equal(draft.fusion.proj.weight, torch.eye(32, 80))
+    x = tokens(12, batch=2)
+    out = draft(x, target_hidden=torch.randn(2, 12, 48), labels=x)
+    assert out.loss.ndim == 0 and torch.isfinite(out.loss)
+    out.loss.backward()
+    assert draft.stream_embeddings.weight.grad.abs().sum() > 0
+    assert draft.fusion.proj.weight.grad[:, 32:].abs().sum() > 0
+
+
+# --- user mistakes ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"num_streams": -1}, "num_streams"),
+        ({"num_stream_layers": 3}, "num_stream_layers"),
+        ({"num_stream_layers": 0}, "needs num_stream_layers"),
+        ({"draft_vocab_size": VOCAB + 1}, "draft_vocab_size"),
+        ({"draft_vocab_size": 10, "tie_word_embeddings": True}, "tie_word_embeddings"),
+        ({"feature_conditioning": "eagle"}, "feature_conditioning"),
+    ],
+)
+def test_bad_configs_are_refused(kwargs, message):
+    with pytest.raises(MirrorTrainError, match=message):
+        tiny_draft_config(**kwargs)
+
+
+def test_bad_from_target_arguments_are_refused(llama):
+    with pytest.raises(MirrorTrainError, match="num_layers"):
+        drafter(llama, num_layers=5)
+    with pytest.raises(MirrorTrainError, match="num_stream_layers"):
+        drafter(llama, num_layers=2, num_stream_layers=3)
+    with pytest.raises(MirrorTrainError, match="outside the target's vocabulary"):
+        drafter(llama, draft_vocab=[1, VOCAB])
+    with pytest.raises(MirrorTrainError, match="sliding-window"):
+        MirrorDrafterForCausalLM.from_target(tiny_model("mistral", layers=2, vocab=VOCAB), num_layers=2)
+
+
+def test_a_mismatched_target_or_tokenizer_is_refused(llama):
+    tokenizer = tiny_tokenizer(VOCAB)
+    draft = drafter(llama, tokenizer=tokenizer)
+    check_compatible(draft, llama, tokenizer)
+    with pytest.raises(MirrorTrainError, match="vocabulary has 128 ids, the target's 64"):
+        check_compatible(draft, tiny_model("llama", layers=4, vocab=64))
+    with pytest.raises(MirrorTrainError, match="tokenizer_fingerprint"):
+        check_compatible(draft, llama, tiny_tokenizer(100))
+    with pytest.raises(MirrorTrainError, match="tokenizer_fingerprint"):
+        check_compatible(draft, Target(llama, tiny_tokenizer(100)))  # a Target brings its own tokenizer
+
+
+def test_bad_rollout_arguments_are_refused(llama):
+    draft = drafter(llama)
+    cache = prefill(draft, tokens(4))
+    with pytest.raises(MirrorTrainError, match="root"):
+        draft.rollout(cache, [[1], []], gamma=3)
+    with pytest.raises(MirrorTrainError, match="gamma"):
+        draft.rollout(cache, [[1]], gamma=0)
+    with pytest.raises(MirrorTrainError, match="num_streams must be in 0..2"):
+        draft(tokens(3), num_streams=3)
+    with pytest.raises(MirrorTrainError, match="parent"):
+        draft.tree_forward([1, 2], [-1, 1], cache)
