@@ -29,7 +29,7 @@ from mirror_train.losses import topk_kl_loss, topk_margin_loss
 from mirror_train.metrics import merge_reports, topk_label_report
 from mirror_train.models.proxy_head import ProxyHeadConfig
 from mirror_train.prompts import default_specbench_file, load_prompts
-from mirror_train.training import LogConfig, OptimConfig
+from mirror_train.training import LogConfig, OptimConfig, batch_indices
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class ProxyTrainConfig:
     temperature: float = 1.0
     margin_weight: float = 0.0  # weight of the top-κ hinge beside the KL
     margin: float = 1.0
+    window: int = 1024  # attention heads: longest context window a training sequence is cut into
     eval_every: int = 200
     save_every: int = 200
     keep_checkpoints: int = 2
@@ -125,6 +126,55 @@ def prepare_data(cfg: ProxyRunConfig, target) -> tuple[Path, Path]:
     return train_dir, heldout_dir
 
 
+class PositionSampler:
+    """Batches of independent positions (per-position heads): the batch at step s depends on (seed, s) alone."""
+
+    def __init__(self, cache: FeatureCache, positions: np.ndarray, batch_size: int, seed: int):
+        self.cache, self.positions, self.batch_size, self.seed = cache, positions, batch_size, seed
+        self.steps_per_epoch = max(len(positions) // batch_size, 1)
+
+    def batch(self, step: int, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
+        idx = batch_indices(step, len(self.positions), self.batch_size, self.seed, rank, world)
+        return self.cache.batch(self.positions[idx])
+
+
+class WindowSampler:
+    """Batches of whole context windows (heads that attend over the context): windows of up to `window` positions
+    cut from each cached sequence, shuffled per epoch by (seed + epoch) and packed up to `batch_size` positions."""
+
+    def __init__(self, cache: FeatureCache, batch_size: int, seed: int, window: int = 1024):
+        self.cache, self.batch_size, self.seed = cache, batch_size, seed
+        spans = []
+        for s in range(cache.num_sequences):
+            lo, hi = int(cache.offsets[s]), int(cache.offsets[s + 1])
+            spans += [(a, min(a + window, hi)) for a in range(lo, hi, window)]
+        self.spans = np.array(spans, dtype=np.int64)
+        self._plans: dict[int, list[list[int]]] = {}
+        self.steps_per_epoch = len(self._plan(0))
+
+    def _plan(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._plans:
+            order = np.random.default_rng(self.seed + epoch).permutation(len(self.spans))
+            packs, current, size = [], [], 0
+            for i in order:
+                n = int(self.spans[i, 1] - self.spans[i, 0])
+                if current and size + n > self.batch_size:
+                    packs.append(current)
+                    current, size = [], 0
+                current.append(int(i))
+                size += n
+            self._plans[epoch] = packs + ([current] if current else [])
+        return self._plans[epoch]
+
+    def batch(self, step: int, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
+        epoch = 0
+        while step >= len(self._plan(epoch)):
+            step -= len(self._plan(epoch))
+            epoch += 1
+        chosen = self._plan(epoch)[step][rank::world] or self._plan(epoch)[step][:1]
+        return self.cache.windows([tuple(self.spans[i]) for i in chosen])
+
+
 def training_positions(cache: FeatureCache, train_on: str, answer_repeat: int = 1) -> np.ndarray:
     """Cached rows an epoch visits: all positions (answers repeated `answer_repeat` times) or answers only."""
     answers = cache.positions(answers_only=True)
@@ -140,7 +190,7 @@ def training_positions(cache: FeatureCache, train_on: str, answer_repeat: int = 
 # --- one step and evaluation ----------------------------------------------------------------------------------
 def proxy_loss(head, batch: dict[str, torch.Tensor], cfg: ProxyTrainConfig, kappa: int) -> tuple[torch.Tensor, dict]:
     """KL to the target's top-k distribution, plus the optional top-κ hinge; returns (loss, logged parts)."""
-    logits = head(batch["hidden"])
+    logits, batch = _head_logits(head, batch)
     kl = topk_kl_loss(logits, batch["topk_ids"], batch["topk_logp"], cfg.temperature).mean()
     loss, parts = kl, {"kl": kl.item()}
     if cfg.margin_weight:
@@ -150,18 +200,34 @@ def proxy_loss(head, batch: dict[str, torch.Tensor], cfg: ProxyTrainConfig, kapp
     return loss, parts
 
 
+def _head_logits(head, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(N, V) logits at the batch's real positions, and the batch's labels flattened to match.
+
+    Position batches are (N, H) already; window batches are (B, T, H) with a padding `mask` (B, T)."""
+    if "mask" not in batch:
+        return head(batch["hidden"]), batch
+    keep = batch["mask"].bool()
+    logits = head(batch["hidden"], attention_mask=batch["mask"])[keep]
+    return logits, {k: v[keep] for k, v in batch.items() if k not in ("hidden", "mask")}
+
+
 @torch.inference_mode()
-def evaluate(head, cache: FeatureCache, kappas=(1, 4, 8), batch_size: int = 1024) -> dict[str, float]:
-    """Held-out Ω_κ (lower bound from top-k labels), hit_κ, top-1 and KL over the cache's answer positions."""
-    positions = cache.positions(answers_only=True)
-    reports, kls = [], []
-    for start in range(0, len(positions), batch_size):
-        batch = cache.batch(positions[start : start + batch_size])
-        logits = head(batch["hidden"])
-        reports.append(topk_label_report(logits, batch["topk_ids"], batch["topk_logp"], kappas))
-        kls.append(topk_kl_loss(logits, batch["topk_ids"], batch["topk_logp"]).sum().item())
+def evaluate(head, cache: FeatureCache, kappas=(1, 4, 8)) -> dict[str, float]:
+    """Held-out Ω_κ (lower bound from top-k labels), hit_κ, top-1 and KL over the cache's answer positions,
+    each sequence run whole so that heads attending over the context see all of it."""
+    reports, kl_sum, n = [], 0.0, 0
+    for s in range(cache.num_sequences):
+        lo, hi = int(cache.offsets[s]), int(cache.offsets[s + 1])
+        answers = torch.from_numpy(np.asarray(cache.is_answer[lo:hi]))
+        if not answers.any():
+            continue
+        logits, labels = _head_logits(head, cache.windows([(lo, hi)]))
+        logits, labels = logits[answers], {k: v[answers] for k, v in labels.items()}
+        reports.append(topk_label_report(logits, labels["topk_ids"], labels["topk_logp"], kappas))
+        kl_sum += topk_kl_loss(logits, labels["topk_ids"], labels["topk_logp"]).sum().item()
+        n += int(answers.sum())
     report = merge_reports(reports)
-    report["kl"] = sum(kls) / len(positions)
+    report["kl"] = kl_sum / n
     return report
 
 

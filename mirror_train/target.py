@@ -153,24 +153,16 @@ class Target:
                 layer.crop(-extra)
 
     # --- the two halves ----------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefix(
-        self,
-        input_ids: torch.Tensor,
-        cache,
-        exit_layer: int,
-        attention_mask: torch.Tensor | None = None,
-    ) -> PrefixState:
-        """Run layers 1..ℓe over `input_ids` (B, T), appending to `cache`; return the ℓe state of every position.
+    def window_state(self, hidden: torch.Tensor, cache, attention_mask: torch.Tensor | None = None) -> PrefixState:
+        """Masks, rotary tables and position ids for a window of states `hidden` (B, T, H) after `cache`.
 
-        `attention_mask` is the usual 2-D padding mask over cached + new positions (None: no padding).
+        Positions continue from the cache's length. Also used by proxy heads that run decoder blocks of their own
+        over ℓe states, so that they build masks exactly as the target does.
         """
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        self.check_exit_layer(exit_layer)
         past = self.cache_length(cache)
-        hidden = self.decoder.embed_tokens(input_ids)
-        position_ids = torch.arange(past, past + input_ids.shape[1], device=hidden.device).unsqueeze(0)
+        position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask_kwargs = dict(
             config=self.config,
             inputs_embeds=hidden,
@@ -186,21 +178,41 @@ class Target:
         else:
             shared = self.decoder.rotary_emb(hidden, position_ids)
             rope = {t: shared for t in types}
-        state = PrefixState(hidden, exit_layer, cache, position_ids, masks, rope)
-        state.hidden = self._run_layers(state, 0, exit_layer)
+        return PrefixState(hidden, 0, cache, position_ids, masks, rope)
+
+    @torch.inference_mode()
+    def prefix(
+        self,
+        input_ids: torch.Tensor,
+        cache,
+        exit_layer: int,
+        attention_mask: torch.Tensor | None = None,
+    ) -> PrefixState:
+        """Run layers 1..ℓe over `input_ids` (B, T), appending to `cache`; return the ℓe state of every position.
+
+        `attention_mask` is the usual 2-D padding mask over cached + new positions (None: no padding).
+        """
+        self.check_exit_layer(exit_layer)
+        state = self.window_state(self.decoder.embed_tokens(input_ids), cache, attention_mask)
+        state.exit_layer = exit_layer
+        state.hidden = self.run_layers(state, self.decoder.layers, range(exit_layer))
         return state
 
     @torch.inference_mode()
     def suffix(self, state: PrefixState) -> torch.Tensor:
         """Run layers ℓe+1..N, the final norm and the LM head: (B, T, V) final logits."""
-        hidden = self._run_layers(state, state.exit_layer, self.num_layers)
+        hidden = self.run_layers(state, self.decoder.layers, range(state.exit_layer, self.num_layers))
         return self.logits(self.decoder.norm(hidden))
 
-    def _run_layers(self, state: PrefixState, start: int, stop: int) -> torch.Tensor:
+    def run_layers(self, state: PrefixState, layers, indices) -> torch.Tensor:
+        """Run `layers[i]` for i in `indices` (0-based: layer i+1 of the convention) on `state.hidden`.
+
+        Each layer gets the mask and rotary table of the target's layer i's attention type.
+        """
         hidden = state.hidden
-        for i in range(start, stop):  # layer i+1 in the 1-based convention
+        for i in indices:
             kind = self.layer_types[i]
-            hidden = self.decoder.layers[i](
+            hidden = layers[i](
                 hidden,
                 attention_mask=state.masks[kind],
                 position_embeddings=state.position_embeddings[kind],

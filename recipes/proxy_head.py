@@ -18,7 +18,9 @@ from mirror_train.data.features import FeatureCache
 from mirror_train.errors import MirrorTrainError
 from mirror_train.models.proxy_head import ProxyHead, save_proxy_head
 from mirror_train.proxy_training import (
+    PositionSampler,
     ProxyRunConfig,
+    WindowSampler,
     evaluate,
     feature_dirs,
     prepare_data,
@@ -28,7 +30,6 @@ from mirror_train.proxy_training import (
 from mirror_train.target import Target
 from mirror_train.training import (
     Checkpoints,
-    batch_indices,
     cosine_lr,
     make_accelerator,
     set_deepspeed_batch,
@@ -49,21 +50,24 @@ def main(cfg: ProxyRunConfig) -> None:
     accelerator.wait_for_everyone()
     train_dir, heldout_dir = feature_dirs(cfg)
     train, heldout = FeatureCache(train_dir, cfg.head.exit_layer), FeatureCache(heldout_dir, cfg.head.exit_layer)
-    positions = training_positions(train, cfg.data.train_on, cfg.data.answer_repeat)
+    if cfg.head.kind == "attention":
+        sampler = WindowSampler(train, cfg.train.batch_size, cfg.train.seed, cfg.train.window)
+    else:
+        positions = training_positions(train, cfg.data.train_on, cfg.data.answer_repeat)
+        sampler = PositionSampler(train, positions, cfg.train.batch_size, cfg.train.seed)
 
     torch.manual_seed(cfg.train.seed)  # here, not earlier: data generation (when it runs) draws random numbers too
     head = ProxyHead(cfg.head, target.hidden_size).bind(target)
     optimizer = torch.optim.AdamW(trainable_parameters(head), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    steps_per_epoch = max(len(positions) // cfg.train.batch_size, 1)
-    total = cfg.train.max_steps or int(cfg.train.epochs * steps_per_epoch)
+    total = cfg.train.max_steps or int(cfg.train.epochs * sampler.steps_per_epoch)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine_lr(s, total, cfg.optim))
     set_deepspeed_batch(accelerator, cfg.train.batch_size)
     head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
     checkpoints = Checkpoints(out, keep=cfg.train.keep_checkpoints)
     step = checkpoints.resume(accelerator)
     accelerator.print(
-        f"{train.meta['positions']} cached positions ({len(positions)} trained on), {total} steps of "
-        f"{cfg.train.batch_size}; held-out answer positions: {len(heldout.positions(answers_only=True))}"
+        f"{train.meta['positions']} cached positions, {sampler.steps_per_epoch} steps an epoch, {total} steps of "
+        f"≤{cfg.train.batch_size} positions; held-out answer positions: {len(heldout.positions(answers_only=True))}"
     )
 
     # --- loop ----------------------------------------------------------------------------------------------------
@@ -71,15 +75,8 @@ def main(cfg: ProxyRunConfig) -> None:
     started = time.perf_counter()
     bar = tqdm(total=total, initial=step, desc="proxy head", disable=not accelerator.is_local_main_process)
     while step < total:
-        idx = batch_indices(
-            step,
-            len(positions),
-            cfg.train.batch_size,
-            cfg.train.seed,
-            accelerator.process_index,
-            accelerator.num_processes,
-        )
-        batch = {k: v.to(accelerator.device) for k, v in train.batch(positions[idx]).items()}
+        batch = sampler.batch(step, accelerator.process_index, accelerator.num_processes)
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         loss, parts = proxy_loss(head, batch, cfg.train, cfg.head.kappa)
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(head.parameters(), cfg.optim.grad_clip)

@@ -63,7 +63,8 @@ def test_every_kind_starts_at_the_logit_lens_and_round_trips(kind, target, tmp_p
     cfg = ProxyHeadConfig(kind=kind, exit_layer=2, rank=8 if kind == "residual" else None, mlp_hidden=16, lora_rank=4)
     head = ProxyHead(cfg, target.hidden_size).bind(target)
     hidden = torch.randn(2, 5, target.hidden_size)
-    torch.testing.assert_close(head(hidden), target.lens_logits(hidden))
+    if kind != "attention":
+        torch.testing.assert_close(head(hidden), target.lens_logits(hidden))
     for p in head.parameters():
         if p.requires_grad:
             p.data += 0.05 * torch.randn_like(p)
@@ -73,6 +74,20 @@ def test_every_kind_starts_at_the_logit_lens_and_round_trips(kind, target, tmp_p
     assert "proxy_head" in (tmp_path / "head" / "README.md").read_text()
     ids, logp = loaded.candidates(hidden, kappa=4)
     assert ids.shape == (2, 5, 4) and (logp[..., :-1] >= logp[..., 1:]).all()
+
+
+def test_attention_head_starts_as_the_next_target_layer_and_caches_like_it(target):
+    ids = torch.randint(0, 128, (1, 12))
+    hidden, _ = target.hidden_states(ids)
+    head = ProxyHead(ProxyHeadConfig(kind="attention", exit_layer=2), target.hidden_size).bind(target)
+    full = head(hidden[2])
+    torch.testing.assert_close(full, target.lens_logits(hidden[3]), atol=1e-5, rtol=0)
+    # windows against the head's own cache, with a rollback, equal the one-shot pass
+    cache = head.new_cache()
+    head(hidden[2][:, :9], cache)
+    target.crop(cache, 6)
+    torch.testing.assert_close(head(hidden[2][:, 6:], cache), full[:, 6:], atol=1e-5, rtol=0)
+    assert head.num_parameters() == sum(p.numel() for p in target.decoder.layers[2].parameters())
 
 
 def test_head_never_stores_the_targets_lm_head(target):

@@ -58,12 +58,17 @@ def head_weights(run_dir: Path) -> dict:
     return load_file(run_dir / "export" / "model.safetensors")
 
 
-def test_proxy_recipe_smoke(proxy_config, tmp_path):
-    proc = run_recipe(proxy_config)
+@pytest.mark.parametrize("kind", ["mlp", "attention"])
+def test_proxy_recipe_smoke(proxy_config, tmp_path, tiny_model_dir, kind):
+    proc = run_recipe(proxy_config, f"head.kind={kind}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "run"
     weights = head_weights(run)
-    assert weights["fc2.weight"].abs().sum() > 0  # zero-initialised: any change means it trained
+    if kind == "mlp":
+        assert weights["fc2.weight"].abs().sum() > 0  # zero-initialised: any change means it trained
+    else:  # initialised from the target's layer 3: trained weights differ from it
+        original = load_file(tiny_model_dir / "model.safetensors")["model.layers.2.mlp.down_proj.weight"]
+        assert not (weights["blocks.0.mlp.down_proj.weight"] == original).all()
     assert (run / "config.yaml").exists() and list((run / "checkpoints").glob("step_*"))
     assert list(run.rglob("events.out.tfevents*"))  # tensorboard logged
     assert "exported" in proc.stdout

@@ -193,6 +193,25 @@ class FeatureCache:
     def positions(self, answers_only: bool = False) -> np.ndarray:
         return np.flatnonzero(self.is_answer) if answers_only else np.arange(len(self))
 
+    def windows(self, spans: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+        """Contiguous row ranges as a right-padded batch: hidden (B, T, H), topk_* (B, T, k), mask (B, T)."""
+        width = max(hi - lo for lo, hi in spans)
+        k = self.topk_ids.shape[1]
+        hidden = np.zeros((len(spans), width, self.hidden.shape[1]), dtype=np.float32)
+        ids = np.zeros((len(spans), width, k), dtype=np.int64)
+        logp = np.zeros((len(spans), width, k), dtype=np.float32)
+        mask = np.zeros((len(spans), width), dtype=np.int64)
+        for row, (lo, hi) in enumerate(spans):
+            n = hi - lo
+            hidden[row, :n], ids[row, :n], logp[row, :n] = (
+                self.hidden[lo:hi],
+                self.topk_ids[lo:hi],
+                self.topk_logp[lo:hi],
+            )
+            mask[row, :n] = 1
+        tensors = {"hidden": hidden, "topk_ids": ids, "topk_logp": logp, "mask": mask}
+        return {name: torch.from_numpy(array) for name, array in tensors.items()}
+
     def batch(self, index: np.ndarray) -> dict[str, torch.Tensor]:
         """Rows `index` as tensors: hidden (n, H) float32, topk_ids (n, k) long, topk_logp (n, k) float32."""
         index = np.sort(index)  # sorted reads are much faster on a memory map

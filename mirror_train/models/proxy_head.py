@@ -7,12 +7,18 @@ are borrowed from the target at bind time and never stored in the head's artifac
     residual   logits = head(norm(h + W h))                       W full (H×H) or low-rank (U Vᵀ, rank r); W starts at 0
     mlp        logits = head(norm(h + W₂ silu(W₁ rms(h))))         a residual MLP adapter; W₂ starts at 0
     lora_head  logits = (head + B A)(norm(h + W₂ silu(W₁ rms(h))))  the mlp adapter plus a LoRA on the LM head (peft)
+    attention  logits = head(norm(blocks(h₁..h_t)))               decoder blocks of its own over the ℓe states of
+                                                                  the whole context (copies of layers ℓe+1.., with
+                                                                  their own KV cache), so it can attend and copy
 
-Zero-initialised residual branches mean every trained kind starts exactly at the logit lens.
+Zero-initialised residual branches mean the per-position kinds start exactly at the logit lens; the attention kind
+starts as the target's own layers ℓe+1..ℓe+n (better than the lens) and keeps a KV cache that the caller crops with
+the target's (`new_cache`, `Target.crop`).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,25 +28,26 @@ from torch import nn
 from mirror_train.errors import MirrorTrainError
 from mirror_train.metrics import check_kappa
 
-KINDS = ("lens", "residual", "mlp", "lora_head")
+KINDS = ("lens", "residual", "mlp", "lora_head", "attention")
 
 
 @dataclass
 class ProxyHeadConfig:
-    kind: Literal["lens", "residual", "mlp", "lora_head"] = "mlp"
+    kind: Literal["lens", "residual", "mlp", "lora_head", "attention"] = "mlp"
     exit_layer: int = 15
     kappa: int = 4  # candidates per position the engine sends (recorded; training's margin term uses it too)
     rank: int | None = None  # residual: None = full H×H
     mlp_hidden: int = 2304
     lora_rank: int = 16
     lora_alpha: float = 32.0
+    attention_layers: int = 1  # attention: how many of the target's layers ℓe+1.. to copy and train
 
     def validate(self) -> None:
         check_kappa(self.kappa)
         if self.rank is not None and self.rank < 1:
             raise MirrorTrainError(f"rank must be ≥ 1 (or null for a full matrix), got {self.rank}")
-        if self.mlp_hidden < 1 or self.lora_rank < 1:
-            raise MirrorTrainError("mlp_hidden and lora_rank must be ≥ 1")
+        if self.mlp_hidden < 1 or self.lora_rank < 1 or self.attention_layers < 1:
+            raise MirrorTrainError("mlp_hidden, lora_rank and attention_layers must be ≥ 1")
 
 
 class _RMSNorm(nn.Module):
@@ -85,9 +92,12 @@ class ProxyHead(nn.Module):
             self.fc1 = nn.Linear(h, cfg.mlp_hidden, bias=False)
             self.fc2 = nn.Linear(cfg.mlp_hidden, h, bias=False)
             nn.init.zeros_(self.fc2.weight)
+        elif cfg.kind == "attention":
+            self.blocks = nn.ModuleList()  # filled from the target's layers at bind time (they fix the layer class)
         elif cfg.kind != "lens":
             raise MirrorTrainError(f"unknown proxy head kind {cfg.kind!r}; choose one of {', '.join(KINDS)}")
         self._norm: nn.Module | None = None
+        self._target = None
         self._head: nn.Module | None = None
         self._softcap = None
 
@@ -100,6 +110,18 @@ class ProxyHead(nn.Module):
             )
         target.check_exit_layer(self.cfg.exit_layer)
         object.__setattr__(self, "_norm", target.decoder.norm)
+        object.__setattr__(self, "_target", target)
+        if self.cfg.kind == "attention" and not len(self.blocks):
+            first = self.cfg.exit_layer
+            if first + self.cfg.attention_layers > target.num_layers:
+                raise MirrorTrainError(
+                    f"attention head: layers {first + 1}..{first + self.cfg.attention_layers} do not exist "
+                    f"(the target has {target.num_layers})"
+                )
+            for j in range(self.cfg.attention_layers):
+                block = copy.deepcopy(target.decoder.layers[first + j]).requires_grad_(True)
+                block.self_attn.layer_idx = j  # its slot in the head's own cache
+                self.blocks.append(block)
         self._softcap = target._softcap
         head = _LMHead(target.lm_head.weight)
         if self.cfg.kind == "lora_head":
@@ -122,9 +144,27 @@ class ProxyHead(nn.Module):
         return head
 
     # --- forward ---------------------------------------------------------------------------------------------------
-    def adapt(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(…, H) ℓe states → (…, H) states the final norm + LM head read."""
+    def new_cache(self):
+        """The attention kind's own KV cache (None for the per-position kinds)."""
+        from transformers import DynamicCache
+
+        return DynamicCache() if self.cfg.kind == "attention" else None
+
+    def adapt(self, hidden: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(…, H) ℓe states → (…, H) states the final norm + LM head read.
+
+        The attention kind reads a window (B, T, H) (or (T, H)) continuing `cache` (None: the window is the whole
+        context); `attention_mask` is a 2-D padding mask for batched training.
+        """
         kind = self.cfg.kind
+        if kind == "attention":
+            batched = hidden.dim() == 3
+            window = hidden if batched else hidden.unsqueeze(0)
+            state = self._target.window_state(window, cache, attention_mask)
+            first = self.cfg.exit_layer
+            blocks = {first + j: block for j, block in enumerate(self.blocks)}
+            out = self._target.run_layers(state, blocks, range(first, first + len(self.blocks)))
+            return out if batched else out.squeeze(0)
         if kind == "residual":
             delta = self.w(hidden) if self.cfg.rank is None else self.up(self.down(hidden))
             return hidden + delta
@@ -132,20 +172,22 @@ class ProxyHead(nn.Module):
             return hidden + self.fc2(nn.functional.silu(self.fc1(self.pre_norm(hidden))))
         return hidden
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(…, H) → (…, V) logits over the target's vocabulary."""
         if self._norm is None:
             raise MirrorTrainError("proxy head is not bound to a target; call head.bind(target) first")
-        logits = self.lm_head(self._norm(self.adapt(hidden)))
+        logits = self.lm_head(self._norm(self.adapt(hidden, cache, attention_mask)))
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
 
     @torch.inference_mode()
-    def candidates(self, hidden: torch.Tensor, kappa: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def candidates(
+        self, hidden: torch.Tensor, kappa: int | None = None, cache=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-κ candidate ids and their log-probs at each position: (…, κ) long, (…, κ) float."""
         kappa = check_kappa(kappa or self.cfg.kappa)
-        top = torch.log_softmax(self(hidden).float(), dim=-1).topk(kappa, dim=-1)
+        top = torch.log_softmax(self(hidden, cache).float(), dim=-1).topk(kappa, dim=-1)
         return top.indices, top.values
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
