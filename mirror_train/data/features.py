@@ -12,6 +12,7 @@ Layout (NumPy files, memory-mapped when read):
     topk_ids.npy              (P, k) int32     the target's top-k next tokens at each position, best first
     topk_logp.npy             (P, k) float16   their log-probabilities under the full softmax
     is_answer.npy             (P,)   bool      the position predicts a token of the target's own answer
+    token_ids.npy             (P,)   int32     the input token at the position (drafts train on token ids)
     seq_offsets.npy           (S+1,) int64     positions of sequence s are [offsets[s], offsets[s+1])
     progress.json             batches finished (a killed run resumes from there)
 
@@ -121,6 +122,7 @@ def build_feature_cache(
     topk_ids = array("topk_ids.npy", (total, k), np.int32)
     topk_logp = array("topk_logp.npy", (total, k), np.float16)
     is_answer = array("is_answer.npy", (total,), np.bool_)
+    token_ids = array("token_ids.npy", (total,), np.int32)
     np.save(out / "seq_offsets.npy", offsets)
     if fresh:
         meta_file.write_text(json.dumps(meta, indent=2) + "\n")
@@ -149,7 +151,8 @@ def build_feature_cache(
             topk_ids[lo : lo + n] = top.indices[row, :n].cpu().numpy()
             topk_logp[lo : lo + n] = top.values[row, :n].cpu().numpy().astype(np.float16)
             is_answer[lo : lo + n] = np.arange(n) >= seqs[i].answer_start - 1
-        for arr in (*hidden.values(), topk_ids, topk_logp, is_answer):
+            token_ids[lo : lo + n] = seqs[i].ids[:n]
+        for arr in (*hidden.values(), topk_ids, topk_logp, is_answer, token_ids):
             arr.flush()
         progress_file.write_text(json.dumps({"batches_done": b_idx + 1}))
         bar.update(int(counts[batch].sum()))
@@ -174,6 +177,8 @@ class FeatureCache:
         self.topk_ids = np.load(self.path / "topk_ids.npy", mmap_mode="r")
         self.topk_logp = np.load(self.path / "topk_logp.npy", mmap_mode="r")
         self.is_answer = np.load(self.path / "is_answer.npy", mmap_mode="r")
+        ids_file = self.path / "token_ids.npy"  # absent from caches written before drafts trained on them
+        self.token_ids = np.load(ids_file, mmap_mode="r") if ids_file.exists() else None
         self.offsets = np.load(self.path / "seq_offsets.npy")
         if not self._complete():  # an unfinished cache is an error, not a silently smaller training set
             raise MirrorTrainError(f"{self.path} is incomplete; re-run the command that builds it to resume")
