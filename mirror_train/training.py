@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,12 +53,48 @@ class LogConfig:
             raise MirrorTrainError(f"log.report_to: unknown tracker(s) {sorted(unknown)}; use tensorboard, wandb")
 
 
-def cosine_lr(step: int, total: int, cfg: OptimConfig) -> float:
-    """Linear warm-up, then cosine decay to min_lr_ratio·lr, as a multiplier of lr."""
+def cosine_lr(step: int, progress: float, cfg: OptimConfig) -> float:
+    """Linear warm-up over the first steps, then cosine decay to min_lr_ratio·lr as `progress` goes 0 → 1;
+    a multiplier of lr."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
-    progress = min((step - cfg.warmup_steps) / max(total - cfg.warmup_steps, 1), 1.0)
+    progress = min(max(progress, 0.0), 1.0)
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Budget:
+    """How far a run is: the larger of steps done / total steps and minutes spent / max_minutes.
+
+    With a time budget the learning rate still decays fully and the run stops on time, whatever the machine's
+    speed (such runs are not bit-reproducible on resume; step-budgeted ones are). Minutes already spent before a
+    resume are carried in the checkpoint.
+    """
+
+    def __init__(self, total_steps: int, max_minutes: float | None, minutes_before: float = 0.0):
+        self.total_steps, self.max_minutes, self.minutes_before = total_steps, max_minutes, minutes_before
+        self.started = time.perf_counter()
+
+    def minutes(self) -> float:
+        return self.minutes_before + (time.perf_counter() - self.started) / 60
+
+    def progress(self, step: int) -> float:
+        by_time = self.minutes() / self.max_minutes if self.max_minutes else 0.0
+        return max(step / max(self.total_steps, 1), by_time)
+
+    def done(self, step: int) -> bool:
+        return self.progress(step) >= 1.0
+
+
+def all_agree(accelerator, flag: bool) -> bool:
+    """True on every rank once any rank says so (ranks may read the clock differently)."""
+    if accelerator.num_processes == 1:
+        return flag
+    return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), reduction="max").item())
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def batch_indices(step: int, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> np.ndarray:
@@ -98,15 +135,14 @@ class Checkpoints:
         accelerator.wait_for_everyone()
         return final
 
-    def resume(self, accelerator) -> int:
-        """Load the newest checkpoint if there is one; return the step to continue from (0 if none)."""
+    def resume(self, accelerator) -> dict:
+        """Load the newest checkpoint if there is one; return its trainer state ({"step": 0} if none)."""
         latest = self.latest()
         if latest is None:
-            return 0
+            return {"step": 0}
         accelerator.load_state(str(latest))
-        state = json.loads((latest / "trainer_state.json").read_text())
         log.info("resumed from %s", latest)
-        return int(state["step"])
+        return json.loads((latest / "trainer_state.json").read_text())
 
 
 def make_accelerator(output_dir: str | os.PathLike, log_cfg: LogConfig, run_config: dict):

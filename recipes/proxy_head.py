@@ -7,7 +7,6 @@ resumes from the newest checkpoint in output_dir) → export (a self-describing 
 """
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
@@ -29,10 +28,13 @@ from mirror_train.proxy_training import (
 )
 from mirror_train.target import Target
 from mirror_train.training import (
+    Budget,
     Checkpoints,
+    all_agree,
     cosine_lr,
     make_accelerator,
     set_deepspeed_batch,
+    set_lr,
     trainable_parameters,
 )
 
@@ -60,11 +62,12 @@ def main(cfg: ProxyRunConfig) -> None:
     head = ProxyHead(cfg.head, target.hidden_size).bind(target)
     optimizer = torch.optim.AdamW(trainable_parameters(head), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     total = cfg.train.max_steps or int(cfg.train.epochs * sampler.steps_per_epoch)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine_lr(s, total, cfg.optim))
     set_deepspeed_batch(accelerator, cfg.train.batch_size)
-    head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
+    head, optimizer = accelerator.prepare(head, optimizer)
     checkpoints = Checkpoints(out, keep=cfg.train.keep_checkpoints)
-    step = checkpoints.resume(accelerator)
+    resumed = checkpoints.resume(accelerator)
+    step = resumed["step"]
+    budget = Budget(total, cfg.train.max_minutes, resumed.get("minutes", 0.0))
     accelerator.print(
         f"{train.meta['positions']} cached positions, {sampler.steps_per_epoch} steps an epoch, {total} steps of "
         f"≤{cfg.train.batch_size} positions; held-out answer positions: {len(heldout.positions(answers_only=True))}"
@@ -72,31 +75,29 @@ def main(cfg: ProxyRunConfig) -> None:
 
     # --- loop ----------------------------------------------------------------------------------------------------
     inner = accelerator.unwrap_model(head)
-    started = time.perf_counter()
     bar = tqdm(total=total, initial=step, desc="proxy head", disable=not accelerator.is_local_main_process)
-    while step < total:
+    finished = budget.done(step)
+    while not finished:
+        lr = cfg.optim.lr * cosine_lr(step, budget.progress(step), cfg.optim)
+        set_lr(optimizer, lr)
         batch = sampler.batch(step, accelerator.process_index, accelerator.num_processes)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         loss, parts = proxy_loss(head, batch, cfg.train, cfg.head.kappa)
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(head.parameters(), cfg.optim.grad_clip)
         optimizer.step()
-        scheduler.step()
         optimizer.zero_grad()
         step += 1
         bar.update(1)
         if step % cfg.log.every == 0:
-            accelerator.log({f"train/{k}": v for k, v in parts.items()} | {"lr": scheduler.get_last_lr()[0]}, step=step)
-        out_of_time = cfg.train.max_minutes is not None and (time.perf_counter() - started) / 60 > cfg.train.max_minutes
-        if step % cfg.train.eval_every == 0 or step == total or out_of_time:
+            accelerator.log({f"train/{k}": v for k, v in parts.items()} | {"lr": lr}, step=step)
+        finished = all_agree(accelerator, budget.done(step))  # time budgets: every rank stops at the same step
+        if step % cfg.train.eval_every == 0 and not finished:
             metrics = evaluate(inner, heldout)
             accelerator.log({f"heldout/{k}": v for k, v in metrics.items()}, step=step)
             bar.set_postfix(hit4=f"{metrics['hit_4']:.3f}", omega4=f"{metrics['omega_4']:.3f}")
-        if step % cfg.train.save_every == 0 or step == total or out_of_time:
-            checkpoints.save(accelerator, step, {"minutes": (time.perf_counter() - started) / 60})
-        if out_of_time:
-            accelerator.print(f"stopping at step {step}: train.max_minutes={cfg.train.max_minutes} reached")
-            break
+        if step % cfg.train.save_every == 0 or finished:
+            checkpoints.save(accelerator, step, {"minutes": budget.minutes()})
     bar.close()
 
     # --- export --------------------------------------------------------------------------------------------------

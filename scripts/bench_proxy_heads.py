@@ -5,7 +5,8 @@ exactly against the target's full final distribution on held-out Spec-Bench answ
         --kinds residual,mlp,lora_head --exit-layers 15 --minutes 8 --out docs/results/proxy_heads.json
 
 Training goes through the recipe (one training loop in the project); data and feature caches are shared by every
-run (pass the same --exit-layers set to reuse them). Prints Markdown tables; writes JSON.
+run (pass the same --exit-layers set to reuse them). Heads already exported under --runs-dir are scored without
+retraining. Prints Markdown tables; writes JSON.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def main() -> None:
     ap.add_argument("--exit-layers", default="15")
     ap.add_argument("--minutes", type=float, default=8.0, help="training budget per head")
     ap.add_argument("--runs-dir", default="outputs/bench_proxy_heads")
-    ap.add_argument("--skip-training", action="store_true", help="score heads already exported in --runs-dir")
+    ap.add_argument("--retrain", action="store_true", help="train again even where --runs-dir has an export")
     ap.add_argument("--out", default=None)
     args, rest = ap.parse_known_args()
     overrides = parse_overrides(rest)
@@ -63,7 +64,7 @@ def main() -> None:
     for layer in layers:
         for kind in kinds:
             out = runs / f"{kind}_L{layer}"
-            if not args.skip_training:
+            if args.retrain or not (out / "export").exists():
                 train(args.config, kind, layer, layers, args.minutes, out, overrides)
 
     target = Target.load(cfg.target)
