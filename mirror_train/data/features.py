@@ -113,6 +113,9 @@ def build_feature_cache(
     fresh = not meta_file.exists()
     if not fresh and json.loads(meta_file.read_text()) != meta:
         raise MirrorTrainError(f"{out} holds a feature cache of other data or settings; use another directory")
+    batches = _plan_batches([len(s.ids) for s in seqs], cfg.max_tokens_per_batch)
+    if not fresh and json.loads(progress_file.read_text())["batches_done"] == len(batches):
+        return out  # complete: nothing to open for writing
     mode = "w+" if fresh else "r+"
 
     def array(name: str, shape: tuple, dtype) -> np.memmap:
@@ -128,8 +131,6 @@ def build_feature_cache(
         meta_file.write_text(json.dumps(meta, indent=2) + "\n")
         progress_file.write_text(json.dumps({"batches_done": 0}))
     done = json.loads(progress_file.read_text())["batches_done"]
-
-    batches = _plan_batches([len(s.ids) for s in seqs], cfg.max_tokens_per_batch)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     bar = tqdm(total=total, desc="caching features", unit="pos", disable=not progress)
     bar.update(int(sum(counts[i] for b in batches[:done] for i in b)))
