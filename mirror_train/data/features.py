@@ -200,13 +200,15 @@ class FeatureCache:
         return np.flatnonzero(self.is_answer) if answers_only else np.arange(len(self))
 
     def windows(self, spans: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
-        """Contiguous row ranges as a right-padded batch: hidden (B, T, H), topk_* (B, T, k), mask (B, T)."""
+        """Contiguous row ranges as a right-padded batch: hidden (B, T, H), topk_* (B, T, k), mask (B, T), and
+        token_ids (B, T) when the cache has them (the draft's inputs; padding 0)."""
         width = max(hi - lo for lo, hi in spans)
         k = self.topk_ids.shape[1]
         hidden = np.zeros((len(spans), width, self.hidden.shape[1]), dtype=np.float32)
         ids = np.zeros((len(spans), width, k), dtype=np.int64)
         logp = np.zeros((len(spans), width, k), dtype=np.float32)
         mask = np.zeros((len(spans), width), dtype=np.int64)
+        tokens = np.zeros((len(spans), width), dtype=np.int64)
         for row, (lo, hi) in enumerate(spans):
             n = hi - lo
             hidden[row, :n], ids[row, :n], logp[row, :n] = (
@@ -215,7 +217,11 @@ class FeatureCache:
                 self.topk_logp[lo:hi],
             )
             mask[row, :n] = 1
+            if self.token_ids is not None:
+                tokens[row, :n] = self.token_ids[lo:hi]
         tensors = {"hidden": hidden, "topk_ids": ids, "topk_logp": logp, "mask": mask}
+        if self.token_ids is not None:
+            tensors["token_ids"] = tokens
         return {name: torch.from_numpy(array) for name, array in tensors.items()}
 
     def batch(self, index: np.ndarray) -> dict[str, torch.Tensor]:

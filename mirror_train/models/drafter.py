@@ -40,6 +40,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from transformers.utils import ModelOutput
 
 from mirror_train.errors import MirrorTrainError
+from mirror_train.losses import IGNORE_INDEX, speculative_streaming_loss
 from mirror_train.models.multi_stream_attention import (
     MultiStreamDecoderLayer,
     causal_mask,
@@ -48,7 +49,6 @@ from mirror_train.models.multi_stream_attention import (
 )
 
 FEATURE_CONDITIONING = ("none", "target_hidden")
-IGNORE_INDEX = -100
 
 
 @strict
@@ -491,23 +491,6 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
                 tokens[b] += feed[b]
                 logprobs[b] += logp[b].tolist()
         return [Rollout(tokens[b], logprobs[b], passes, nodes[b]) for b in range(len(roots))]
-
-
-def speculative_streaming_loss(
-    logits: torch.Tensor, stream_logits: torch.Tensor | None, labels: torch.Tensor, stream_weight: float = 0.1
-) -> torch.Tensor:
-    """CE(next token) + stream_weight · Σ_j CE(the token j further ahead): the Speculative Streaming objective.
-
-    logits (B, T, V); stream_logits (B, T, S, V) or None; labels (B, T) draft ids, unshifted, -100 = ignore:
-    position t is trained on labels[t+1] and its stream j on labels[t+1+j]. Returns a scalar.
-    """
-    T = logits.shape[1]
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
-    num_streams = 0 if stream_logits is None else stream_logits.shape[2]
-    for j in range(1, min(num_streams, T - 2) + 1):
-        ahead = stream_logits[:, : T - 1 - j, j - 1].flatten(0, 1).float()  # (B·(T-1-j), V)
-        loss = loss + stream_weight * F.cross_entropy(ahead, labels[:, 1 + j :].flatten(), ignore_index=IGNORE_INDEX)
-    return loss
 
 
 def keep_cache_path(cache: DynamicCache, committed_len: int, node_indices: Sequence[int]) -> None:
