@@ -19,6 +19,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from mirror_train.errors import MirrorTrainError
 from mirror_train.generation import encode_chat, generate_batch
 from mirror_train.prompts import Prompt, load_prompts, parse_prompt
@@ -145,6 +147,7 @@ def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, tar
         by_length = sorted(range(len(todo)), key=lambda i: len(encoded[i]))
         todo, encoded = [todo[i] for i in by_length], [encoded[i] for i in by_length]
         flush_every = cfg.batch_size * 2  # a couple of batches per flush: resumable, and batches stay full
+        bar = tqdm(total=len(todo), desc=f"self-distillation, turn {turn + 1}", unit="prompt", disable=not todo)
         for start in range(0, len(todo), flush_every):
             chunk = slice(start, start + flush_every)
             answers = generate_batch(
@@ -163,7 +166,8 @@ def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, tar
                     done[(p.id, turn)] = row
                     generated += 1
                     f.write(json.dumps(row) + "\n")
-            log.info("turn %d: %d/%d answered", turn + 1, min(start + flush_every, len(todo)), len(todo))
+            bar.update(len(todo[chunk]))
+        bar.close()
     if truncated:
         log.warning("%d prompts were longer than %d tokens and kept only their end", truncated, cfg.max_prompt_tokens)
 
