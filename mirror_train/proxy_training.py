@@ -250,9 +250,9 @@ def evaluate_exact(target, heads: dict, rows, exit_layer: int, kappas=(1, 4, 8))
         ids = torch.tensor([row["prompt_ids"] + row["answer_ids"]], device=target.device)
         hidden, logits = target.hidden_states(ids)
         span = answer_positions(len(row["prompt_ids"]), len(row["answer_ids"]))
-        final, h = logits[0, span], hidden[exit_layer][0, span]
-        for name, head in heads.items():
-            proxy = target.lens_logits(h) if head is None else head(h)
+        final, h = logits[0, span], hidden[exit_layer][0]
+        for name, head in heads.items():  # heads see the whole sequence (attention heads read the context)
+            proxy = (target.lens_logits(h) if head is None else head(h))[span]
             parts[name].setdefault(row.get("category") or "all", []).append(exit_report(proxy, final, kappas))
         parts["oracle"].setdefault(row.get("category") or "all", []).append(exit_report(final, final, kappas))
     out = {}

@@ -188,3 +188,53 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     if not params:
         raise MirrorTrainError("nothing to train: the model has no trainable parameters (the logit lens has none)")
     return params
+
+
+def train_loop(
+    accelerator,
+    model,
+    optimizer,
+    sampler,
+    *,
+    loss_fn,
+    evaluate_fn,
+    budget: Budget,
+    checkpoints: Checkpoints,
+    step: int,
+    optim: OptimConfig,
+    log_every: int,
+    eval_every: int,
+    save_every: int,
+    desc: str,
+) -> int:
+    """The loop both recipes run: LR from the budget, a step-determined batch, backward, clip, step, log,
+    held-out evaluation every `eval_every` steps, checkpoints every `save_every` and at the end. Returns the last step.
+
+    `loss_fn(model, batch) -> (loss, parts)`; `evaluate_fn() -> metrics` (on the main process's unwrapped model).
+    """
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=budget.total_steps, initial=step, desc=desc, disable=not accelerator.is_local_main_process)
+    finished = budget.done(step)
+    while not finished:
+        lr = optim.lr * cosine_lr(step, budget.progress(step), optim)
+        set_lr(optimizer, lr)
+        batch = sampler.batch(step, accelerator.process_index, accelerator.num_processes)
+        loss, parts = loss_fn(model, {k: v.to(accelerator.device) for k, v in batch.items()})
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        bar.update(1)
+        if step % log_every == 0:
+            accelerator.log({f"train/{k}": v for k, v in parts.items()} | {"lr": lr}, step=step)
+        finished = all_agree(accelerator, budget.done(step))  # time budgets: every rank stops at the same step
+        if step % eval_every == 0 and not finished:
+            metrics = evaluate_fn()
+            accelerator.log({f"heldout/{k}": v for k, v in metrics.items()}, step=step)
+            bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k in ("hit_4", "omega_4", "top1")})
+        if step % save_every == 0 or finished:
+            checkpoints.save(accelerator, step, {"minutes": budget.minutes()})
+    bar.close()
+    return step

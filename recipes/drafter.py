@@ -12,7 +12,6 @@ import argparse
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from mirror_train.config import config_to_dict, load_config, parse_overrides, save_config
 from mirror_train.drafter_training import (
@@ -30,11 +29,9 @@ from mirror_train.target import Target
 from mirror_train.training import (
     Budget,
     Checkpoints,
-    all_agree,
-    cosine_lr,
     make_accelerator,
     set_deepspeed_batch,
-    set_lr,
+    train_loop,
     trainable_parameters,
 )
 
@@ -72,30 +69,22 @@ def main(cfg: DrafterRunConfig) -> None:
 
     # --- loop ----------------------------------------------------------------------------------------------------
     inner = accelerator.unwrap_model(model)
-    bar = tqdm(total=total, initial=step, desc="draft", disable=not accelerator.is_local_main_process)
-    finished = budget.done(step)
-    while not finished:
-        lr = cfg.optim.lr * cosine_lr(step, budget.progress(step), cfg.optim)
-        set_lr(optimizer, lr)
-        batch = sampler.batch(step, accelerator.process_index, accelerator.num_processes)
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        loss, parts = drafter_loss(model, batch, cfg.train)
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad()
-        step += 1
-        bar.update(1)
-        if step % cfg.log.every == 0:
-            accelerator.log({f"train/{k}": v for k, v in parts.items()} | {"lr": lr}, step=step)
-        finished = all_agree(accelerator, budget.done(step))  # time budgets: every rank stops at the same step
-        if step % cfg.train.eval_every == 0 and not finished:
-            metrics = evaluate_drafter(inner, heldout)
-            accelerator.log({f"heldout/{k}": v for k, v in metrics.items()}, step=step)
-            bar.set_postfix(top1=f"{metrics['top1']:.3f}", loss=f"{parts['loss']:.3f}")
-        if step % cfg.train.save_every == 0 or finished:
-            checkpoints.save(accelerator, step, {"minutes": budget.minutes()})
-    bar.close()
+    step = train_loop(
+        accelerator,
+        model,
+        optimizer,
+        sampler,
+        loss_fn=lambda m, batch: drafter_loss(m, batch, cfg.train),
+        evaluate_fn=lambda: evaluate_drafter(inner, heldout),
+        budget=budget,
+        checkpoints=checkpoints,
+        step=step,
+        optim=cfg.optim,
+        log_every=cfg.log.every,
+        eval_every=cfg.train.eval_every,
+        save_every=cfg.train.save_every,
+        desc="draft",
+    )
 
     # --- export --------------------------------------------------------------------------------------------------
     if accelerator.is_main_process:

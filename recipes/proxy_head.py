@@ -10,7 +10,6 @@ import argparse
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from mirror_train.config import config_to_dict, load_config, parse_overrides, save_config
 from mirror_train.data.features import FeatureCache
@@ -30,11 +29,9 @@ from mirror_train.target import Target
 from mirror_train.training import (
     Budget,
     Checkpoints,
-    all_agree,
-    cosine_lr,
     make_accelerator,
     set_deepspeed_batch,
-    set_lr,
+    train_loop,
     trainable_parameters,
 )
 
@@ -75,30 +72,22 @@ def main(cfg: ProxyRunConfig) -> None:
 
     # --- loop ----------------------------------------------------------------------------------------------------
     inner = accelerator.unwrap_model(head)
-    bar = tqdm(total=total, initial=step, desc="proxy head", disable=not accelerator.is_local_main_process)
-    finished = budget.done(step)
-    while not finished:
-        lr = cfg.optim.lr * cosine_lr(step, budget.progress(step), cfg.optim)
-        set_lr(optimizer, lr)
-        batch = sampler.batch(step, accelerator.process_index, accelerator.num_processes)
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        loss, parts = proxy_loss(head, batch, cfg.train, cfg.head.kappa)
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(head.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad()
-        step += 1
-        bar.update(1)
-        if step % cfg.log.every == 0:
-            accelerator.log({f"train/{k}": v for k, v in parts.items()} | {"lr": lr}, step=step)
-        finished = all_agree(accelerator, budget.done(step))  # time budgets: every rank stops at the same step
-        if step % cfg.train.eval_every == 0 and not finished:
-            metrics = evaluate(inner, heldout)
-            accelerator.log({f"heldout/{k}": v for k, v in metrics.items()}, step=step)
-            bar.set_postfix(hit4=f"{metrics['hit_4']:.3f}", omega4=f"{metrics['omega_4']:.3f}")
-        if step % cfg.train.save_every == 0 or finished:
-            checkpoints.save(accelerator, step, {"minutes": budget.minutes()})
-    bar.close()
+    step = train_loop(
+        accelerator,
+        head,
+        optimizer,
+        sampler,
+        loss_fn=lambda model, batch: proxy_loss(model, batch, cfg.train, cfg.head.kappa),
+        evaluate_fn=lambda: evaluate(inner, heldout),
+        budget=budget,
+        checkpoints=checkpoints,
+        step=step,
+        optim=cfg.optim,
+        log_every=cfg.log.every,
+        eval_every=cfg.train.eval_every,
+        save_every=cfg.train.save_every,
+        desc="proxy head",
+    )
 
     # --- export --------------------------------------------------------------------------------------------------
     if accelerator.is_main_process:

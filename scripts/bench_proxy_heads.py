@@ -3,6 +3,7 @@ exactly against the target's full final distribution on held-out Spec-Bench answ
 
     python scripts/bench_proxy_heads.py --config recipes/configs/proxy_head_smollm2.yaml \
         --kinds residual,mlp,lora_head --exit-layers 15 --minutes 8 --out docs/results/proxy_heads.json
+    python scripts/bench_proxy_heads.py --kinds mlp --exit-layers 12,15,18,21,24 --minutes 5 ...   # the ℓe sweep
 
 Training goes through the recipe (one training loop in the project); data and feature caches are shared by every
 run (pass the same --exit-layers set to reuse them). Heads already exported under --runs-dir are scored without
@@ -26,8 +27,8 @@ from mirror_train.target import Target
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train(config: str, kind: str, layer: int, layers: list[int], minutes: float, out: Path, overrides: list[str]):
-    extra = [x for x in layers if x != layer]
+def train(config: str, kind: str, layer: int, cached: list[int], minutes: float, out: Path, overrides: list[str]):
+    extra = [x for x in cached if x != layer]
     cmd = [
         sys.executable,
         str(ROOT / "recipes" / "proxy_head.py"),
@@ -50,6 +51,9 @@ def main() -> None:
     ap.add_argument("--config", default=str(ROOT / "recipes" / "configs" / "proxy_head_smollm2.yaml"))
     ap.add_argument("--kinds", default="residual,mlp,lora_head")
     ap.add_argument("--exit-layers", default="15")
+    ap.add_argument(
+        "--cache-layers", default=None, help="exit layers the shared feature cache holds (default: --exit-layers)"
+    )
     ap.add_argument("--minutes", type=float, default=8.0, help="training budget per head")
     ap.add_argument("--runs-dir", default="outputs/bench_proxy_heads")
     ap.add_argument("--retrain", action="store_true", help="train again even where --runs-dir has an export")
@@ -59,13 +63,14 @@ def main() -> None:
     cfg = load_config(ProxyRunConfig, args.config, overrides)
     kinds = [k for k in args.kinds.split(",") if k]
     layers = [int(x) for x in args.exit_layers.split(",")]
+    cached = sorted({*layers, *([int(x) for x in args.cache_layers.split(",")] if args.cache_layers else [])})
     runs = Path(args.runs_dir)
 
     for layer in layers:
         for kind in kinds:
             out = runs / f"{kind}_L{layer}"
             if args.retrain or not (out / "export").exists():
-                train(args.config, kind, layer, layers, args.minutes, out, overrides)
+                train(args.config, kind, layer, cached, args.minutes, out, overrides)
 
     target = Target.load(cfg.target)
     heldout = load_selfdistill(Path(cfg.data.dir) / "heldout")
