@@ -76,8 +76,10 @@ def test_model_paths(tmp_path):
     assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def test_unknown_hub_id_is_one_clear_error(capsys):
-    assert train_main(["sweep-exit", "--model", "no-such-org/no-such-model", "--num-prompts", "1"]) == 2
+def test_unknown_hub_id_is_one_clear_error(capsys, tmp_path):
+    prompts = write(tmp_path, '{"id": "a", "turns": ["hi"]}\n')
+    argv = ["sweep-exit", "--model", "no-such-org/no-such-model", "--num-prompts", "1", "--prompts", str(prompts)]
+    assert train_main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: could not load model 'no-such-org/no-such-model'")
     assert "Traceback" not in err
@@ -121,8 +123,20 @@ def test_cli_kappa_and_prompt_errors(tmp_path, capsys):
 
 
 @pytest.mark.testbed
-def test_cli_exit_layer_out_of_range(testbed_path, capsys):
-    assert train_main(["sweep-exit", "--model", str(testbed_path), "--layers", "15,30", "--num-prompts", "1"]) == 2
+def test_cli_exit_layer_out_of_range(testbed_path, capsys, tmp_path):
+    prompts = write(tmp_path, '{"id": "a", "turns": ["hi"]}\n')
+    argv = [
+        "sweep-exit",
+        "--model",
+        str(testbed_path),
+        "--layers",
+        "15,30",
+        "--num-prompts",
+        "1",
+        "--prompts",
+        str(prompts),
+    ]
+    assert train_main(argv) == 2
     assert "ℓe=30 is outside 1..29" in capsys.readouterr().err
 
 
