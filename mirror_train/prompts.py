@@ -39,24 +39,22 @@ class Prompt:
         return msgs
 
 
+def _env_or_shared(env: str, shared: Path, what: str) -> Path:
+    if os.environ.get(env):
+        return Path(os.environ[env])
+    if shared.exists():
+        return shared
+    raise MirrorTrainError(f"no {what} given: pass one, or set {env}")
+
+
 def default_prompt_file() -> Path:
     """$MIRROR_TRAIN_PROMPTS, else the shared training prompts beside the repository."""
-    env = os.environ.get(PROMPTS_ENV)
-    if env:
-        return Path(env)
-    if _SHARED_PROMPTS.exists():
-        return _SHARED_PROMPTS
-    raise MirrorTrainError(f"no prompt file given: pass one, or set {PROMPTS_ENV}")
+    return _env_or_shared(PROMPTS_ENV, _SHARED_PROMPTS, "prompt file")
 
 
 def default_specbench_file() -> Path:
     """$MIRROR_TRAIN_SPECBENCH_QUESTIONS, else Spec-Bench's question file in the shared data beside the repository."""
-    env = os.environ.get(SPECBENCH_ENV)
-    if env:
-        return Path(env)
-    if _SHARED_SPECBENCH.exists():
-        return _SHARED_SPECBENCH
-    raise MirrorTrainError(f"no Spec-Bench question file given: pass one, or set {SPECBENCH_ENV}")
+    return _env_or_shared(SPECBENCH_ENV, _SHARED_SPECBENCH, "Spec-Bench question file")
 
 
 def parse_prompt(line: str, where: str) -> Prompt:

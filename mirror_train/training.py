@@ -190,6 +190,18 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return params
 
 
+def start_run(accelerator, model, optimizer, output_dir, *, total_steps: int, max_minutes, batch_size: int, keep: int):
+    """Prepare model and optimizer for the launch configuration and resume from the newest checkpoint.
+
+    Returns (model, optimizer, checkpoints, step to continue from, budget)."""
+    set_deepspeed_batch(accelerator, batch_size)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    checkpoints = Checkpoints(output_dir, keep=keep)
+    resumed = checkpoints.resume(accelerator)
+    budget = Budget(total_steps, max_minutes, resumed.get("minutes", 0.0))
+    return model, optimizer, checkpoints, resumed["step"], budget
+
+
 def train_loop(
     accelerator,
     model,

@@ -27,10 +27,8 @@ from mirror_train.errors import MirrorTrainError
 from mirror_train.proxy_training import WindowSampler, prepare_data
 from mirror_train.target import Target
 from mirror_train.training import (
-    Budget,
-    Checkpoints,
     make_accelerator,
-    set_deepspeed_batch,
+    start_run,
     train_loop,
     trainable_parameters,
 )
@@ -55,12 +53,16 @@ def main(cfg: DrafterRunConfig) -> None:
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     total = cfg.train.max_steps or int(cfg.train.epochs * sampler.steps_per_epoch)
-    set_deepspeed_batch(accelerator, cfg.train.batch_size)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    checkpoints = Checkpoints(out, keep=cfg.train.keep_checkpoints)
-    resumed = checkpoints.resume(accelerator)
-    step = resumed["step"]
-    budget = Budget(total, cfg.train.max_minutes, resumed.get("minutes", 0.0))
+    model, optimizer, checkpoints, step, budget = start_run(
+        accelerator,
+        model,
+        optimizer,
+        out,
+        total_steps=total,
+        max_minutes=cfg.train.max_minutes,
+        batch_size=cfg.train.batch_size,
+        keep=cfg.train.keep_checkpoints,
+    )
     accelerator.print(
         f"{train.meta['positions']} cached positions, {sampler.steps_per_epoch} steps an epoch, {total} steps of "
         f"≤{cfg.train.batch_size} positions; {sum(p.numel() for p in params):,} trainable parameters; held-out "

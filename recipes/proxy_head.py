@@ -27,10 +27,8 @@ from mirror_train.proxy_training import (
 )
 from mirror_train.target import Target
 from mirror_train.training import (
-    Budget,
-    Checkpoints,
     make_accelerator,
-    set_deepspeed_batch,
+    start_run,
     train_loop,
     trainable_parameters,
 )
@@ -59,12 +57,16 @@ def main(cfg: ProxyRunConfig) -> None:
     head = ProxyHead(cfg.head, target.hidden_size).bind(target)
     optimizer = torch.optim.AdamW(trainable_parameters(head), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     total = cfg.train.max_steps or int(cfg.train.epochs * sampler.steps_per_epoch)
-    set_deepspeed_batch(accelerator, cfg.train.batch_size)
-    head, optimizer = accelerator.prepare(head, optimizer)
-    checkpoints = Checkpoints(out, keep=cfg.train.keep_checkpoints)
-    resumed = checkpoints.resume(accelerator)
-    step = resumed["step"]
-    budget = Budget(total, cfg.train.max_minutes, resumed.get("minutes", 0.0))
+    head, optimizer, checkpoints, step, budget = start_run(
+        accelerator,
+        head,
+        optimizer,
+        out,
+        total_steps=total,
+        max_minutes=cfg.train.max_minutes,
+        batch_size=cfg.train.batch_size,
+        keep=cfg.train.keep_checkpoints,
+    )
     accelerator.print(
         f"{train.meta['positions']} cached positions, {sampler.steps_per_epoch} steps an epoch, {total} steps of "
         f"≤{cfg.train.batch_size} positions; held-out answer positions: {len(heldout.positions(answers_only=True))}"
