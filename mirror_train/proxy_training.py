@@ -218,7 +218,7 @@ def evaluate(head, cache: FeatureCache, kappas=(1, 4, 8)) -> dict[str, float]:
     reports, kl_sum, n = [], 0.0, 0
     for s in range(cache.num_sequences):
         lo, hi = int(cache.offsets[s]), int(cache.offsets[s + 1])
-        answers = torch.from_numpy(np.asarray(cache.is_answer[lo:hi]))
+        answers = torch.from_numpy(np.array(cache.is_answer[lo:hi]))  # a copy: memory maps are read-only
         if not answers.any():
             continue
         logits, labels = _head_logits(head, cache.windows([(lo, hi)]))
