@@ -110,6 +110,37 @@ def _add_sweep(sub) -> None:
     p.set_defaults(func=_sweep_exit)
 
 
+def _specbench(ns: argparse.Namespace) -> None:
+    from mirror_train.eval.score import write_report
+
+    if ns.action == "score":
+        if not ns.dir:
+            raise MirrorTrainError("usage: mirror-eval specbench score DIR")
+        print(f"wrote {write_report(ns.dir)}")
+        return
+    from mirror_train.eval.specbench import SpecBenchConfig, run_specbench
+
+    cfg = options_to_dataclass(SpecBenchConfig, ns)
+    out = run_specbench(cfg)
+    report = write_report(out)
+    print(f"answers in {out / 'answers'}; report: {report}")
+
+
+def _add_specbench(sub) -> None:
+    from mirror_train.eval.specbench import SpecBenchConfig
+
+    p = sub.add_parser(
+        "specbench",
+        help="run Spec-Bench (every method, one answer file each, resumable) or `specbench score DIR`",
+        description="mirror-eval specbench [options]  runs (or resumes) the benchmark and writes the report; "
+        "mirror-eval specbench score DIR  recomputes the report of a run.",
+    )
+    p.add_argument("action", nargs="?", choices=["run", "score"], default="run")
+    p.add_argument("dir", nargs="?", default=None, help="score: the run's output directory")
+    add_dataclass_options(p, SpecBenchConfig)
+    p.set_defaults(func=_specbench)
+
+
 def _run(prog: str, builders: Sequence[Callable], argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -134,7 +165,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
 
 
 def eval_main(argv: Sequence[str] | None = None) -> int:
-    return _run("mirror-eval", [_add_sweep], argv)
+    return _run("mirror-eval", [_add_sweep, _add_specbench], argv)
 
 
 if __name__ == "__main__":

@@ -223,6 +223,15 @@ class Target:
         return hidden
 
     @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, cache, exit_layer: int) -> torch.Tensor:
+        """Fill `cache` with every layer's K/V for `input_ids` (B, T) without the LM head (a prompt's logits are
+        never read); returns the ℓe states (B, T, H), for a proxy head with a cache of its own."""
+        state = self.prefix(input_ids, cache, exit_layer)
+        exit_hidden = state.hidden
+        self.run_layers(state, self.decoder.layers, range(exit_layer, self.num_layers))
+        return exit_hidden
+
+    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """A plain full forward through the split machinery (prefix at ℓe = 1, then suffix)."""
         return self.suffix(self.prefix(input_ids, cache, 1, attention_mask))

@@ -32,6 +32,9 @@ from mirror_train.training import (
     train_loop,
     trainable_parameters,
 )
+from mirror_train.vocab import token_ranking
+
+RANKING_LIMIT = 32768  # candidate ids by frequency stored with the head; the engine serves a prefix of them
 
 
 def main(cfg: ProxyRunConfig) -> None:
@@ -97,6 +100,8 @@ def main(cfg: ProxyRunConfig) -> None:
         table = "| metric | held-out |\n|---|---|\n" + "\n".join(
             f"| {k} | {v:.4f} |" for k, v in metrics.items() if k != "positions"
         )
+        seen = [ids for ids in (train.token_ids, train.topk_ids[:, 0]) if ids is not None]
+        inner.ranking = token_ranking(seen, target.vocab_size, limit=RANKING_LIMIT)
         path = save_proxy_head(inner, out / "export", target, results_markdown=table, extra={"steps": step})
         accelerator.print(
             f"exported {path}: " + ", ".join(f"{k}={metrics[k]:.3f}" for k in ("hit_1", "hit_4", "omega_4"))

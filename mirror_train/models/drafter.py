@@ -24,8 +24,7 @@ Decisions the papers leave open:
 from __future__ import annotations
 
 import copy
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,6 +46,7 @@ from mirror_train.models.multi_stream_attention import (
     stream_attention_mask,
     tree_mask,
 )
+from mirror_train.vocab import frequent_token_map  # noqa: F401  (part of this module's interface)
 
 FEATURE_CONDITIONING = ("none", "target_hidden")
 
@@ -222,6 +222,7 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         target_hidden: torch.Tensor | None = None,
         num_streams: int | None = None,
         labels: torch.Tensor | None = None,
+        logits_index: torch.Tensor | None = None,
     ) -> MirrorDrafterOutput:
         """Main-stream logits for every position and, with streams, the lookahead logits.
 
@@ -230,7 +231,9 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         attention_mask_4d (1 or B, 1, T, L+T) an additive float mask that replaces the causal one (tree nodes);
         target_hidden (B, T, H_target) the target's layer-ℓe states (feature conditioning only; None = zeros);
         num_streams: how many of the γ' streams to run (None = all, 0 = main only, cheaper);
-        labels (B, T) target ids, unshifted, -100 = ignore: adds the Speculative Streaming loss.
+        labels (B, T) target ids, unshifted, -100 = ignore: adds the Speculative Streaming loss;
+        logits_index (K,) positions whose logits to compute (None: all T). The LM head dominates a small model's
+        cost, and a rollout reads only a few positions.
         """
         S = self.config.num_streams if num_streams is None else num_streams
         if not 0 <= S <= self.config.num_streams:
@@ -273,7 +276,12 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
                 streams = h[:, :, None, :] + self.stream_embeddings.weight[:S]  # (B, T, S, H): h_t + P_j
             h, streams = layer(h, streams, rope, mask, s_mask, cache)
 
-        logits = self.lm_head(self.norm(h))  # (B, T, V_draft)
+        if logits_index is not None:
+            if labels is not None:
+                raise MirrorTrainError("labels need the logits of every position: do not give logits_index")
+            h = h[:, logits_index]  # (B, K, H)
+            streams = None if streams is None else streams[:, logits_index]
+        logits = self.lm_head(self.norm(h))  # (B, T or K, V_draft)
         stream_logits = None if streams is None else self.lm_head(self.norm(streams))  # (B, T, S, V_draft)
         loss = None
         if labels is not None:
@@ -383,6 +391,56 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
                 draft.lm_head.weight.copy_(head)
         return draft.eval()
 
+    # --- a plain transformers model of the main stream ----------------------------------------------------------
+    @torch.no_grad()
+    def to_llama(self):
+        """The main stream as a plain `LlamaForCausalLM` over the whole vocabulary, for transformers' own assisted
+        generation (`generate(assistant_model=...)`), which knows nothing of streams or reduced heads.
+
+        Same embeddings, layers (a multi-stream layer's main stream is a Llama layer) and norm; the head is scattered
+        to the full vocabulary through d2t, ids outside the draft's vocabulary get a zero row (logit 0, far below a
+        real top logit, so practically never proposed). Feature-conditioned drafts are refused: transformers cannot
+        feed them the target's hidden states.
+        """
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        c = self.config
+        if c.feature_conditioning != "none":
+            raise MirrorTrainError("a feature-conditioned draft has no plain-LM form (it reads the target's states)")
+        llama_config = LlamaConfig(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            hidden_act=c.hidden_act,
+            rms_norm_eps=c.rms_norm_eps,
+            rope_parameters=c.rope_parameters,
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=False,
+            attention_bias=c.attention_bias,
+            mlp_bias=c.mlp_bias,
+            pad_token_id=c.pad_token_id,
+            bos_token_id=c.bos_token_id,
+            eos_token_id=c.eos_token_id,
+        )
+        llama = LlamaForCausalLM(llama_config).to(device=self.device, dtype=self.dtype).eval()
+        state = {
+            f"model.{k}": v
+            for k, v in self.state_dict().items()
+            if k.split(".")[0] in ("embed_tokens", "layers", "norm")
+        }
+        head = torch.zeros_like(llama.lm_head.weight)
+        rows = self.d2t if self.d2t is not None else torch.arange(c.vocab_size, device=head.device)
+        head[rows] = self.lm_head.weight
+        state["lm_head.weight"] = head
+        missing, unexpected = llama.load_state_dict(state, strict=False)
+        if [k for k in missing if "rotary" not in k] or unexpected:
+            raise MirrorTrainError(f"draft → Llama: missing {missing}, unexpected {unexpected}")
+        return llama
+
     # --- the engine's interface: tree-batched forwards over the KV cache ----------------------------------------
     @torch.no_grad()
     def tree_forward(
@@ -393,6 +451,7 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         committed_len: int | None = None,
         num_streams: int | None = None,
         target_hidden: torch.Tensor | None = None,
+        logits_index: torch.Tensor | None = None,
     ) -> MirrorDrafterOutput:
         """One forward over N new tree nodes; their main K/V are appended to `cache`.
 
@@ -401,7 +460,8 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         first, then the N new ones, as an index into that list (-1: the end of the committed context); a parent
         comes before its child. A node attends to the committed context, its ancestors and itself, at position
         committed_len + depth (depth 0 for a node whose parent is -1). tokens: the N new target ids;
-        target_hidden (1, N, H_target) or None. Returns logits (1, N, V_draft), stream_logits (1, N, S, V_draft).
+        target_hidden (1, N, H_target) or None; logits_index as in `forward`. Returns logits (1, N, V_draft),
+        stream_logits (1, N, S, V_draft) (N: the indexed nodes only, with logits_index).
         """
         cached = cache.get_seq_length()
         committed = cached if committed_len is None else committed_len
@@ -422,6 +482,7 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
             attention_mask_4d=mask.to(device),
             target_hidden=target_hidden,
             num_streams=num_streams,
+            logits_index=logits_index,
         )
 
     @torch.no_grad()
@@ -448,49 +509,116 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         The fed nodes stay in the cache after the committed context; `Rollout.nodes` names a branch's slots, for
         `keep_cache_path(cache, committed_len, rollout.nodes[:k])`.
         """
-        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-            raise MirrorTrainError(f"gamma must be an int ≥ 1, got {gamma!r}")
         if not roots or any(len(root) == 0 for root in roots):
             raise MirrorTrainError("rollout needs at least one branch and every root needs at least one token")
+        parents: list[int] = []
+        tokens: list[int] = []
+        chains: list[list[int]] = []
+        for root in roots:  # each root a chain of its own after the committed context
+            chain = []
+            for token in root:
+                parents.append(chain[-1] if chain else -1)
+                tokens.append(int(token))
+                chain.append(len(parents) - 1)
+            chains.append(chain)
+        features = None
+        if root_hidden is not None:
+            features = torch.cat([torch.as_tensor(f) for f in root_hidden]).unsqueeze(0)  # (1, N, H_target)
+        return self._rollout(cache, parents, tokens, chains, gamma, temperature, generator, use_streams, features)
+
+    @torch.no_grad()
+    def rollout_tree(
+        self,
+        cache: DynamicCache,
+        spine: Sequence[int],
+        branches: Sequence[tuple[int, int | None]],
+        gamma: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        use_streams: bool = True,
+    ) -> list[Rollout]:
+        """Roll out γ tokens for branches that hang off a shared chain: the engine's branch-complete rollout.
+
+        `cache` holds the committed context; `spine` is a non-empty chain of target ids after it (the committed
+        tokens the cache lacks, then the proposed window). Each branch is (anchor, token): the branch's context is
+        the spine up to and including spine[anchor] (anchor -1: the committed context alone; then token is
+        required), followed by `token`, or by nothing when token is None. The spine is fed once for all branches;
+        a branch without a token reads its first logits off the spine node itself. `Rollout.nodes` of a branch
+        lists the spine nodes up to its anchor, then its own.
+        """
+        if not spine:
+            raise MirrorTrainError("rollout_tree needs a non-empty spine")
+        if not branches:
+            raise MirrorTrainError("rollout_tree needs at least one branch")
+        parents = list(range(-1, len(spine) - 1))
+        tokens = [int(t) for t in spine]
+        chains: list[list[int]] = []
+        for anchor, token in branches:
+            if not -1 <= anchor < len(spine) or (anchor == -1 and token is None):
+                raise MirrorTrainError(f"branch ({anchor}, {token}): anchor must be in -1..{len(spine) - 1}")
+            chain = list(range(anchor + 1))
+            if token is not None:
+                parents.append(anchor)
+                tokens.append(int(token))
+                chain.append(len(parents) - 1)
+            chains.append(chain)
+        return self._rollout(cache, parents, tokens, chains, gamma, temperature, generator, use_streams, None)
+
+    def _rollout(
+        self,
+        cache: DynamicCache,
+        parents: list[int],
+        tokens: list[int],
+        chains: list[list[int]],
+        gamma: int,
+        temperature: float,
+        generator: torch.Generator | None,
+        use_streams: bool,
+        features: torch.Tensor | None,
+    ) -> list[Rollout]:
+        """The rollout loop of `rollout` and `rollout_tree`: the first pass feeds the shared nodes (parents,
+        tokens); then each pass appends every branch's newest tokens after the last node of its chain.
+
+        The LM head runs only on each branch's last node: the other nodes' logits are never read.
+        """
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+            raise MirrorTrainError(f"gamma must be an int ≥ 1, got {gamma!r}")
         if temperature < 0:
             raise MirrorTrainError(f"temperature must be ≥ 0, got {temperature}")
         streams = self.config.num_streams if use_streams else 0
         device = self.device
         committed = cache.get_seq_length()
-        parents: list[int] = []  # every uncommitted node's parent, in cache order
-        nodes: list[list[int]] = [[] for _ in roots]
-        tokens: list[list[int]] = [[] for _ in roots]
-        logprobs: list[list[float]] = [[] for _ in roots]
-        feed = [list(root) for root in roots]
-        features = None
-        if root_hidden is not None:
-            features = torch.cat([torch.as_tensor(f) for f in root_hidden]).unsqueeze(0).to(device)  # (1, N, H_t)
+        parents, chains = list(parents), [list(c) for c in chains]
+        drafted: list[list[int]] = [[] for _ in chains]
+        logprobs: list[list[float]] = [[] for _ in chains]
+        new_tokens, first_new = list(tokens), 0
+        if features is not None:
+            features = features.to(device)
         passes = 0
-        while len(tokens[0]) < gamma:
-            # 1. Append each branch's newest tokens as a chain after its last node.
-            new_tokens, first_new = [], len(parents)
-            for b, branch_feed in enumerate(feed):
-                for token in branch_feed:
-                    parents.append(nodes[b][-1] if nodes[b] else -1)
-                    nodes[b].append(len(parents) - 1)
-                    new_tokens.append(token)
-            # 2. One forward for all branches; only the streams still needed this pass are run.
-            s = min(streams, gamma - len(tokens[0]) - 1)
-            out = self.tree_forward(new_tokens, parents, cache, committed, num_streams=s, target_hidden=features)
+        while len(drafted[0]) < gamma:
+            s = min(streams, gamma - len(drafted[0]) - 1)  # only the streams still needed this pass are run
+            last = torch.tensor([chain[-1] - first_new for chain in chains], device=device)  # (branches,)
+            out = self.tree_forward(
+                new_tokens, parents, cache, committed, num_streams=s, target_hidden=features, logits_index=last
+            )
             passes += 1
             features = None
-            # 3. Each branch's last node: main → the next token, stream j → the token j further on.
-            last = torch.tensor([branch[-1] - first_new for branch in nodes], device=device)  # (branches,)
-            logits = out.logits[0, last, None]  # (branches, 1, V_draft)
+            # Each branch's last node: main → the next token, stream j → the token j further on.
+            logits = out.logits[0, :, None]  # (branches, 1, V_draft)
             if s:
-                logits = torch.cat([logits, out.stream_logits[0, last]], dim=1)  # (branches, 1 + s, V_draft)
+                logits = torch.cat([logits, out.stream_logits[0]], dim=1)  # (branches, 1 + s, V_draft)
             chosen, logp = _choose(logits.float(), temperature, generator)  # (branches, 1 + s) each
-            chosen = self.draft_to_target(chosen)
-            for b in range(len(roots)):
-                feed[b] = chosen[b].tolist()
-                tokens[b] += feed[b]
+            chosen = self.draft_to_target(chosen).tolist()
+            new_tokens, first_new = [], len(parents)
+            for b, chain in enumerate(chains):
+                drafted[b] += chosen[b]
                 logprobs[b] += logp[b].tolist()
-        return [Rollout(tokens[b], logprobs[b], passes, nodes[b]) for b in range(len(roots))]
+                if len(drafted[b]) < gamma:  # feed them for the next pass, chained after the branch's last node
+                    for token in chosen[b]:
+                        parents.append(chain[-1])
+                        chain.append(len(parents) - 1)
+                        new_tokens.append(token)
+        return [Rollout(drafted[b][:gamma], logprobs[b][:gamma], passes, chains[b]) for b in range(len(chains))]
 
 
 def keep_cache_path(cache: DynamicCache, committed_len: int, node_indices: Sequence[int]) -> None:
@@ -513,34 +641,6 @@ def keep_cache_path(cache: DynamicCache, committed_len: int, node_indices: Seque
         index = keep.to(layer.keys.device)
         layer.keys = layer.keys.index_select(-2, index)  # (B, nkv, committed + k, d)
         layer.values = layer.values.index_select(-2, index)
-
-
-def frequent_token_map(
-    token_id_lists: Iterable[Iterable[int]], size: int, vocab_size: int, special_ids: Iterable[int] = ()
-) -> torch.Tensor:
-    """The `draft_vocab` / d2t of a reduced head: the `size` most frequent ids in the data, special ids always in.
-
-    Ties go to the lower id; when the data holds fewer distinct ids, the lowest unused ids fill the rest.
-    Returns (size,) long, sorted ascending.
-    """
-    special = list(dict.fromkeys(int(i) for i in special_ids))
-    if not 1 <= size <= vocab_size:
-        raise MirrorTrainError(f"draft vocabulary size must be in 1..{vocab_size}, got {size}")
-    if len(special) > size:
-        raise MirrorTrainError(f"{len(special)} special ids do not fit a draft vocabulary of {size}")
-    counts = Counter(int(i) for ids in token_id_lists for i in ids)
-    bad = [i for i in [*special, *counts] if not 0 <= i < vocab_size]
-    if bad:
-        raise MirrorTrainError(f"token ids {sorted(set(bad))[:5]} are outside the vocabulary 0..{vocab_size - 1}")
-    chosen = set(special)
-    for token, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0])):
-        if len(chosen) == size:
-            break
-        chosen.add(token)
-    filler = (i for i in range(vocab_size) if i not in chosen)
-    while len(chosen) < size:
-        chosen.add(next(filler))
-    return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
 def check_compatible(drafter: MirrorDrafterForCausalLM, target_model, tokenizer=None) -> None:

@@ -1,0 +1,125 @@
+"""Draft backends the draft server drives: the trained draft model, and a synthetic draft for measuring the engine.
+
+Both keep the committed context in a cache of their own and answer the same three calls:
+    reset(prompt, reference)          a new sequence: prefill all of the prompt but its last token
+    rollout(spine, branches, γ)       γ tokens per branch (see `MirrorDrafterForCausalLM.rollout_tree`)
+    keep(n)                           commit the first n spine nodes of the last rollout, drop every other node
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mirror_train.errors import MirrorTrainError
+
+
+class ModelDraft:
+    """A `MirrorDrafterForCausalLM` behind the backend calls; greedy (the acceptance rule needs no draft q)."""
+
+    def __init__(self, model, use_streams: bool = True):
+        self.model = model.eval()
+        self.use_streams = use_streams
+        self.num_streams = model.config.num_streams if use_streams else 0
+        self.cache = None
+
+    @torch.no_grad()
+    def reset(self, prompt: Sequence[int], reference: Sequence[int] | None = None) -> None:
+        self.cache = self.model.new_cache()
+        if len(prompt) > 1:
+            ids = torch.tensor([list(prompt[:-1])], device=self.model.device)
+            last = torch.tensor([ids.shape[1] - 1], device=self.model.device)
+            self.model(ids, cache=self.cache, num_streams=0, logits_index=last)  # only the K/V are wanted
+
+    def rollout(self, spine: Sequence[int], branches: Sequence[tuple[int, int | None]], gamma: int):
+        self.committed = self.cache.get_seq_length()  # every rollout follows a `keep` (or `reset`)
+        results = self.model.rollout_tree(self.cache, spine, branches, gamma, use_streams=self.use_streams)
+        return [r.tokens for r in results], results[0].num_forwards
+
+    def keep(self, n: int) -> None:
+        from mirror_train.models.drafter import keep_cache_path
+
+        keep_cache_path(self.cache, self.committed, range(n))
+
+
+@dataclass
+class SyntheticDraftConfig:
+    """A draft that replays the target's own greedy continuation with injected errors, at a chosen cost.
+
+    Each token it proposes on a correct context is right with probability `acceptance` (independently), else a
+    wrong id; on a context already off the reference it is wrong. A forward costs `forward_ms` plus `node_ms` per
+    tree node beyond the first (a real draft's tree forward grows with its nodes: 7.2 → 20.2 ms from 1 to 32 nodes
+    for the testbed-cut draft, shared/docs/testbed.md), spent in `time.sleep` on the draft's own core. A rollout
+    takes ⌈γ / (1 + num_streams)⌉ forwards, as the streaming draft's does.
+    """
+
+    acceptance: float = 0.8
+    forward_ms: float = 10.0
+    node_ms: float = 0.0
+    num_streams: int = 2
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not 0 <= self.acceptance <= 1:
+            raise MirrorTrainError(f"synthetic draft: acceptance must be in [0, 1], got {self.acceptance}")
+        if self.forward_ms < 0 or self.node_ms < 0 or self.num_streams < 0:
+            raise MirrorTrainError("synthetic draft: forward_ms, node_ms and num_streams must be ≥ 0")
+
+
+class SyntheticDraft:
+    def __init__(self, cfg: SyntheticDraftConfig, vocab_size: int):
+        cfg.validate()
+        self.cfg = cfg
+        self.num_streams = cfg.num_streams
+        self.vocab_size = vocab_size
+        self.rng = random.Random(cfg.seed)
+        self.reference: list[int] = []
+        self.context: list[int] = []  # the committed tokens it has "cached"
+        self.spine: list[int] = []
+
+    def reset(self, prompt: Sequence[int], reference: Sequence[int] | None = None) -> None:
+        if reference is None:
+            raise MirrorTrainError("the synthetic draft needs the target's reference continuation of each prompt")
+        self.reference = list(prompt) + list(reference)
+        self.context = list(prompt[:-1])
+        self.spine = []
+
+    def rollout(self, spine: Sequence[int], branches: Sequence[tuple[int, int | None]], gamma: int):
+        passes = math.ceil(gamma / (1 + self.num_streams))
+        nodes = len(spine) + sum(token is not None for _, token in branches)
+        start = time.perf_counter()
+        self.spine = list(spine)
+        out = []
+        for anchor, token in branches:
+            ctx = self.context + self.spine[: anchor + 1] + ([token] if token is not None else [])
+            on_track = ctx == self.reference[: len(ctx)]
+            drafted = []
+            for _ in range(gamma):
+                n = len(ctx)
+                truth = self.reference[n] if n < len(self.reference) else 0
+                right = on_track and n < len(self.reference) and self.rng.random() < self.cfg.acceptance
+                tok = truth if right else (truth + 1) % self.vocab_size
+                on_track = on_track and right
+                drafted.append(tok)
+                ctx.append(tok)
+            out.append(drafted)
+        # The cost of the passes: the first feeds every node, each later one a chunk per branch.
+        later_nodes = len(branches) * (1 + self.num_streams)
+        cost = passes * self.cfg.forward_ms + self.cfg.node_ms * (nodes - 1 + (passes - 1) * (later_nodes - 1))
+        _sleep_until(start + cost / 1000)
+        return out, passes
+
+    def keep(self, n: int) -> None:
+        self.context += self.spine[:n]
+        self.spine = []
+
+
+def _sleep_until(deadline: float) -> None:
+    remaining = deadline - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)

@@ -1,0 +1,73 @@
+"""Methods that are not the engine's, run in the same process on the same core: transformers' assisted generation
+with the same draft as `assistant_model` (its main stream as a plain Llama, `MirrorDrafterForCausalLM.to_llama`)
+and prompt lookup decoding. Both are lossless under greedy decoding.
+
+Accepted lengths come from the target's forwards: a hook records the first position of each call (the cache
+length), and the tokens a call committed are the growth of the cache to the next call (the last commits the rest).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class ForwardCounter:
+    """Cache lengths at each forward of `model` while active: the target's verification steps."""
+
+    def __init__(self, model):
+        self.model = model
+        self.lengths: list[int] = []
+        self.handle = None
+
+    def __enter__(self):
+        def hook(module, args, kwargs):
+            positions = kwargs.get("position_ids")  # its first entry is the cache length (transformers 5.24)
+            if positions is not None:
+                self.lengths.append(int(positions.view(-1)[0]))
+                return
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            self.lengths.append(cache.get_seq_length() if cache is not None else 0)
+
+        self.handle = self.model.register_forward_pre_hook(hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+    def accept_lengths(self, prompt_len: int, total_new: int) -> list[int]:
+        """Tokens committed by each target forward (the prefill forward commits the first token)."""
+        ends = self.lengths[1:] + [prompt_len + total_new - 1]
+        starts = self.lengths
+        lengths = [max(e - max(s, prompt_len - 1), 0) for s, e in zip(starts, ends, strict=True)]
+        lengths[0] = max(lengths[0], 1) if lengths else 1
+        return [n for n in lengths if n > 0]
+
+
+def hf_generate(target, ids: list[int], max_new_tokens: int, stops: list[int], method: str, assistant=None):
+    """One greedy generation with transformers: method "assisted" (assistant model) or "pld" (prompt lookup).
+
+    Returns (new tokens, stop included; seconds; accepted length per target forward)."""
+    model = target.model
+    kwargs = {"assistant_model": assistant} if method == "assisted" else {"prompt_lookup_num_tokens": 10}
+    input_ids = torch.tensor([ids], device=model.device)
+    with torch.inference_mode(), ForwardCounter(model) as counter:
+        start = time.perf_counter()
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=stops,
+            pad_token_id=stops[0],
+            **kwargs,
+        )
+        seconds = time.perf_counter() - start
+    new = out[0, len(ids) :].tolist()
+    cut = next((j + 1 for j, t in enumerate(new) if t in stops), len(new))
+    new = new[:cut]
+    return new, seconds, counter.accept_lengths(len(ids), len(new))

@@ -1,0 +1,278 @@
+"""`mirror-eval specbench`: every method on the Spec-Bench questions, one answer file per method in Spec-Bench's
+schema (shared/docs/specbench.md), resumable.
+
+Protocol: batch 1; the model's own chat template (recorded in run.json); multi-turn questions continue with the
+method's own turn-1 answer; three untimed warm-up generations per method; wall time per turn around generation only
+(prefill included); methods interleaved question by question, so a machine's drift hits all of them alike; `runs`
+timed repetitions per turn, the median kept. Methods: the engine's `ar` (the baseline), `sd`, `mirror`, and the
+peers `assisted` (transformers with the same draft) and `pld` (prompt lookup).
+
+Resuming: run.json records the settings; a run with other settings into the same directory is refused, naming what
+differs, and finished answers are never rewritten. Answers go to DIR/answers/<method>.jsonl one line per question.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from mirror_train.errors import MirrorTrainError
+
+ENGINE_METHODS = ("ar", "sd", "mirror")
+PEER_METHODS = ("assisted", "pld")
+METHODS = ENGINE_METHODS + PEER_METHODS
+
+
+@dataclass
+class SpecBenchConfig:
+    out: str = "outputs/specbench"
+    target: str = "testbed"
+    proxy_head: str | None = None  # an exported proxy head (None: the logit lens at ℓe)
+    draft: str | None = None  # an exported draft (needed by sd, mirror, assisted)
+    methods: str = "ar,sd,mirror,assisted,pld"
+    categories: str | None = None  # comma-separated categories or tasks (mt_bench, translation, ...); None: all
+    limit_per_category: int | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    runs: int = 1  # timed repetitions of each turn (the median is recorded)
+    warmups: int = 3
+    questions: str | None = None  # the question file (default: $MIRROR_TRAIN_SPECBENCH_QUESTIONS or shared data)
+    download: bool = False  # fetch the question file from Spec-Bench at the pinned commit (sha256 checked)
+    checksum: bool = True  # refuse a question file that is not the pinned one
+    cache_dir: str = "~/.cache/mirror-train"
+    kappa: int = 4
+    gamma: int = 4
+    branch_budget: int = 8
+    exit_layer: int | None = None
+    candidate_vocab: int | None = 16384
+    head_placement: str = "target"
+    placement: str = "process"
+    target_core: int | None = 0
+    draft_core: int | None = 1
+
+    @property
+    def method_list(self) -> list[str]:
+        return [m.strip() for m in self.methods.split(",") if m.strip()]
+
+    def validate(self) -> None:
+        bad = [m for m in self.method_list if m not in METHODS]
+        if bad or not self.method_list:
+            raise MirrorTrainError(f"unknown methods {bad}; choose from {', '.join(METHODS)}")
+        if "ar" not in self.method_list:
+            raise MirrorTrainError("the methods must include ar: every speed-up is measured against it in the same run")
+        needs_draft = [m for m in self.method_list if m in ("sd", "mirror", "assisted")]
+        if needs_draft and not self.draft:
+            raise MirrorTrainError(f"methods {needs_draft} need --draft")
+        if self.temperature > 0 and any(m in PEER_METHODS for m in self.method_list):
+            raise MirrorTrainError("the transformers peers (assisted, pld) are compared under greedy decoding only")
+        if self.max_new_tokens < 1 or self.runs < 1 or self.warmups < 0:
+            raise MirrorTrainError("max_new_tokens and runs must be ≥ 1, warmups ≥ 0")
+        if self.limit_per_category is not None and self.limit_per_category < 1:
+            raise MirrorTrainError("limit_per_category must be ≥ 1")
+
+    def settings(self) -> dict:
+        """What must match for a resumed run to add to the same answers (not where or how much)."""
+        keep = dict(asdict(self))
+        for k in ("out", "methods", "categories", "limit_per_category", "download", "cache_dir", "warmups"):
+            keep.pop(k)
+        return keep
+
+
+def _artifact_id(path: str | None) -> str | None:
+    """An artifact's identity for run.json: its path and the hash of its weights."""
+    if path is None:
+        return None
+    import hashlib
+
+    weights = Path(path) / "model.safetensors"
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:16] if weights.exists() else "?"
+    return f"{path}#{digest}"
+
+
+def _check_resume(out: Path, record: dict) -> None:
+    path = out / "run.json"
+    if not path.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1))
+        return
+    try:
+        old = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise MirrorTrainError(f"{path} is corrupt; move it away (the answers beside it are kept)") from None
+    diff = [k for k in ("settings", "target", "chat_template") if old.get(k) != record.get(k)]
+    if diff:
+        details = []
+        for k in diff:
+            if k == "settings":
+                a, b = old.get(k, {}), record[k]
+                details += [
+                    f"{s}: {a.get(s)!r} → {b.get(s)!r}" for s in sorted(set(a) | set(b)) if a.get(s) != b.get(s)
+                ]
+            else:
+                details.append(k)
+        raise MirrorTrainError(
+            f"{out} holds answers from other settings ({'; '.join(details)}); use another --out (its answers are kept)"
+        )
+
+
+def _done(path: Path) -> set[str]:
+    """Question ids already answered in an answer file (a torn last line, from a kill, is dropped)."""
+    if not path.exists():
+        return set()
+    done, good = set(), []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            done.add(str(json.loads(line)["question_id"]))
+            good.append(line)
+        except (json.JSONDecodeError, KeyError):
+            continue
+    path.write_text("".join(g + "\n" for g in good), encoding="utf-8")
+    return done
+
+
+def run_specbench(cfg: SpecBenchConfig) -> Path:
+    """Run (or resume) the benchmark; returns the output directory."""
+    from mirror_train.engine import EngineConfig, MirrorEngine
+    from mirror_train.eval.peers import hf_generate
+    from mirror_train.eval.questions import load_questions, resolve_questions
+    from mirror_train.generation import encode_chat
+    from mirror_train.target import Target
+
+    cfg.validate()
+    out = Path(cfg.out)
+    qpath = resolve_questions(cfg.questions, cfg.download, str(Path(cfg.cache_dir).expanduser()), cfg.checksum)
+    cats = [c.strip() for c in cfg.categories.split(",")] if cfg.categories else None
+    questions = load_questions(qpath, cats, cfg.limit_per_category)
+    target = Target.load(cfg.target)
+    tok = target.tokenizer
+    record = {
+        "settings": cfg.settings() | {"proxy_head": _artifact_id(cfg.proxy_head), "draft": _artifact_id(cfg.draft)},
+        "target": target.signature().to_dict(),
+        "chat_template": tok.chat_template,
+        "questions_file": str(qpath),
+    }
+    _check_resume(out, record)
+    answers_dir = out / "answers"
+    answers_dir.mkdir(exist_ok=True)
+    done = {m: _done(answers_dir / f"{m}.jsonl") for m in cfg.method_list}
+    todo = [q for q in questions if any(q.id not in done[m] for m in cfg.method_list)]
+    engine_cfg = EngineConfig(
+        exit_layer=cfg.exit_layer,
+        kappa=cfg.kappa,
+        gamma=cfg.gamma,
+        branch_budget=cfg.branch_budget,
+        temperature=cfg.temperature,
+        candidate_vocab=cfg.candidate_vocab,
+        head_placement=cfg.head_placement,
+        placement=cfg.placement,
+        target_core=cfg.target_core,
+        draft_core=cfg.draft_core,
+    )
+    uses_draft = any(m in ("sd", "mirror") for m in cfg.method_list)
+    engine = MirrorEngine(target, cfg.proxy_head, cfg.draft if uses_draft else None, engine_cfg)
+    assistant = None
+    if "assisted" in cfg.method_list:
+        from mirror_train.drafter_training import load_draft
+
+        assistant = load_draft(cfg.draft, target).to_llama()
+    stops = sorted(engine.stops)
+
+    def generate(method: str, messages: list[dict]) -> dict:
+        ids = encode_chat(tok, messages)
+        times, first = [], None
+        for _ in range(cfg.runs):
+            if method in ENGINE_METHODS:
+                g = engine.generate(ids, cfg.max_new_tokens, method=method)
+                result = {
+                    "tokens": g.tokens,
+                    "seconds": g.seconds,
+                    "accept_lengths": [s.committed for s in g.steps],
+                    "reused": [s.reused for s in g.steps if s.reused is not None],
+                    "hits": [s.hit for s in g.steps if s.hit is not None],
+                    "omegas": [round(s.omega, 4) for s in g.steps if s.omega is not None],
+                }
+            else:
+                tokens, seconds, lengths = _pinned_hf(target, ids, cfg, stops, method, assistant, hf_generate)
+                result = {"tokens": tokens, "seconds": seconds, "accept_lengths": lengths}
+            times.append(result["seconds"])
+            first = first or result
+        first["seconds"] = statistics.median(times)
+        return first
+
+    with engine:
+        if todo:
+            warm = questions[0].messages()
+            for method in cfg.method_list:
+                for _ in range(cfg.warmups):
+                    _warm(method, warm, engine, target, cfg, stops, assistant)
+        bar = tqdm(total=len(todo) * len(cfg.method_list), desc="specbench", unit="answer")
+        for q in todo:
+            for method in cfg.method_list:
+                if q.id in done[method]:
+                    bar.update()
+                    continue
+                turns, answers = [], []
+                for _ in q.turns:
+                    r = generate(method, q.messages(tuple(answers)))
+                    text = tok.decode(r["tokens"], skip_special_tokens=True)
+                    answers.append(text)
+                    turns.append((text, r))
+                _append(answers_dir / f"{method}.jsonl", _answer_record(q, method, cfg, turns, target))
+                bar.update()
+        bar.close()
+    return out
+
+
+def _pinned_hf(target, ids, cfg, stops, method, assistant, hf_generate):
+    """A transformers peer on the target's core with one thread, as the engine's target runs."""
+    from mirror_train.engine.engine import _pinned
+
+    with _pinned(cfg.target_core if cfg.placement != "local" else None, 1):
+        return hf_generate(target, ids, cfg.max_new_tokens, stops, method, assistant)
+
+
+def _warm(method, messages, engine, target, cfg, stops, assistant) -> None:
+    from mirror_train.eval.peers import hf_generate
+    from mirror_train.generation import encode_chat
+
+    ids = encode_chat(target.tokenizer, messages)
+    if method in ENGINE_METHODS:
+        engine.generate(ids, 16, method=method)
+    else:
+        _pinned_hf(target, ids, cfg, stops, method, assistant, hf_generate)
+
+
+def _answer_record(q, method: str, cfg: SpecBenchConfig, turns: list, target) -> dict:
+    """One line of Spec-Bench's answer schema, plus our per-turn engine stats under "mirror_stats"."""
+    choice = {
+        "index": 0,
+        "turns": [text for text, _ in turns],
+        "decoding_steps": [len(r["accept_lengths"]) for _, r in turns],
+        "new_tokens": [len(r["tokens"]) for _, r in turns],
+        "wall_time": [r["seconds"] for _, r in turns],
+        "accept_lengths": [n for _, r in turns for n in r["accept_lengths"]],
+    }
+    stats = [{k: r[k] for k in ("reused", "hits", "omegas") if k in r} for _, r in turns]
+    return {
+        "question_id": int(q.id) if q.id.isdigit() else q.id,
+        "category": q.category,
+        "answer_id": uuid.uuid4().hex,
+        "model_id": f"{target.name_or_path}-{method}",
+        "tstamp": time.time(),
+        "choices": [choice],
+        "method": method,
+        "mirror_stats": stats,
+    }
+
+
+def _append(path: Path, record: dict) -> None:
+    """One whole line per answer, flushed: a kill loses at most the answer being written."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()

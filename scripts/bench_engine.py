@@ -1,0 +1,204 @@
+"""The engine on the testbed, every method side by side in one run on one machine: target-only (ar), serial
+speculative decoding (sd) and Mirror-SD (mirror), greedy, the two CPU cores as the two devices.
+
+    python scripts/bench_engine.py --out docs/results/engine_smollm2.json
+
+Part 1 measures the engine apart from draft quality: the synthetic draft replays the target's own greedy answer
+(the ar run's) with errors injected at each per-token acceptance rate, and costs `--draft-cost` × the target's
+measured time per token per forward. Part 2 runs the trained draft and proxy head (when given). Every answer of
+every method is checked against the ar answer, token for token. Prompts: `--per-category` Spec-Bench questions of
+each task, turn 1. Prints Markdown tables; writes JSON with every generation's summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from mirror_train.engine import EngineConfig, MirrorEngine, SyntheticDraftConfig
+from mirror_train.prompts import default_specbench_file, load_prompts
+from mirror_train.target import Target
+
+TASKS = {  # Spec-Bench's six tasks; the eight MT-bench categories are one task
+    **{c: "mt_bench" for c in "writing roleplay reasoning math coding extraction stem humanities".split()},
+    "translation": "translation",
+    "summarization": "summarization",
+    "qa": "qa",
+    "math_reasoning": "math_reasoning",
+    "rag": "rag",
+}
+
+
+def pick_prompts(path, per_task: int, seed: int = 0):
+    by_task: dict[str, list] = {}
+    for p in load_prompts(path):
+        by_task.setdefault(TASKS.get(p.category, p.category), []).append(p)
+    picked = []
+    for task, prompts in sorted(by_task.items()):
+        step = max(len(prompts) // per_task, 1)
+        picked += [(task, p) for p in prompts[seed::step][:per_task]]
+    return picked
+
+
+def run_methods(engine, prompts, references, methods, max_new_tokens):
+    """Every method on every prompt, methods interleaved per prompt (a noisy machine drifts between them)."""
+    rows = []
+    for (task, prompt), ref in zip(prompts, references, strict=True):
+        for method in methods:
+            g = engine.generate(prompt.messages(), max_new_tokens, method=method, reference=ref)
+            steps = [s for s in g.steps if s.window]
+            rows.append(
+                {
+                    **g.summary(),
+                    "task": task,
+                    "id": prompt.id,
+                    "lossless": g.tokens == ref,
+                    "step_ms": sum(s.step_ms for s in steps),
+                    "predicted_ms": sum(s.predicted_ms for s in steps),
+                    "hits": [s.hit for s in g.steps if s.hit is not None],
+                    "omegas": [s.omega for s in g.steps if s.omega is not None],
+                    "branches": statistics.mean([s.branches for s in steps]) if steps else 0.0,
+                    "wait_ms": statistics.mean([s.wait_ms for s in steps]) if steps else 0.0,
+                }
+            )
+    return rows
+
+
+def aggregate(rows, method):
+    mine = [r for r in rows if r["method"] == method]
+    tokens, seconds = sum(r["tokens"] for r in mine), sum(r["seconds"] for r in mine)
+    steps = sum(r["steps"] for r in mine)
+    reuse = [r["reuse_rate"] for r in mine if r["reuse_rate"] is not None]
+    hits = [h for r in mine for h in r["hits"]]
+    predicted = sum(r["predicted_ms"] for r in mine)
+    return {
+        "tokens_per_s": tokens / seconds,
+        "mean_per_question_tokens_per_s": statistics.mean(r["tokens_per_s"] for r in mine),
+        "mean_accepted": tokens / steps,
+        "reuse_rate": statistics.mean(reuse) if reuse else None,
+        "hit": statistics.mean(hits) if hits else None,
+        "overlap_efficiency": predicted / sum(r["step_ms"] for r in mine) if predicted else None,
+        "lossless": all(r["lossless"] for r in mine),
+        "branches": statistics.mean(r["branches"] for r in mine),
+        "wait_ms": statistics.mean(r["wait_ms"] for r in mine),
+    }
+
+
+def fmt(x, digits=2):
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--proxy-head", default=None, help="exported proxy head (default: the logit lens at ℓe)")
+    ap.add_argument("--draft", default=None, help="exported draft for part 2 (default: part 1 only)")
+    ap.add_argument("--per-category", type=int, default=2, help="Spec-Bench questions per task")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--acceptance", default="0.3,0.5,0.7,0.8,0.9")
+    ap.add_argument("--draft-cost", type=float, default=0.15, help="synthetic forward cost / target token time")
+    ap.add_argument("--node-cost", type=float, default=0.03, help="synthetic cost per extra tree node / forward")
+    ap.add_argument("--streams", type=int, default=0, help="synthetic draft: tokens per forward − 1")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--kappa", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=8)
+    ap.add_argument("--candidate-vocab", type=int, default=16384)
+    ap.add_argument("--head-placement", default="target", choices=["target", "draft"])
+    ap.add_argument("--exit-layer", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    target = Target.load("testbed")
+    prompts = pick_prompts(default_specbench_file(), args.per_category)
+    base = EngineConfig(
+        exit_layer=args.exit_layer,
+        kappa=args.kappa,
+        gamma=args.gamma,
+        branch_budget=args.budget,
+        candidate_vocab=args.candidate_vocab,
+        head_placement=args.head_placement,
+    )
+    result = {"args": vars(args), "config": asdict(base), "prompts": [p.id for _, p in prompts]}
+
+    # --- the reference: target-only answers, and the target's time per token ------------------------------------
+    with MirrorEngine(target, args.proxy_head, None, base) as engine:
+        engine.generate(prompts[0][1].messages(), 8, method="ar")  # warm-up
+        ar = [engine.generate(p.messages(), args.max_new_tokens, method="ar") for _, p in prompts]
+    references = [g.tokens for g in ar]
+    token_ms = 1000 * sum(g.seconds for g in ar) / sum(len(g.tokens) for g in ar)
+    forward_ms = args.draft_cost * token_ms
+    print(
+        f"{len(prompts)} prompts; target-only {1000 / token_ms:.1f} tokens/s ({token_ms:.1f} ms a token); "
+        f"synthetic draft forward {forward_ms:.1f} ms + {args.node_cost * forward_ms:.2f} ms a node",
+        flush=True,
+    )
+
+    # --- part 1: the synthetic draft across acceptance rates -----------------------------------------------------
+    table = []
+    for acceptance in [float(a) for a in args.acceptance.split(",")]:
+        synthetic = SyntheticDraftConfig(
+            acceptance=acceptance, forward_ms=forward_ms, node_ms=args.node_cost * forward_ms, num_streams=args.streams
+        )
+        start = time.perf_counter()
+        with MirrorEngine(target, args.proxy_head, synthetic, base) as engine:
+            engine.generate(prompts[0][1].messages(), 8, method="mirror", reference=references[0])  # warm-up
+            rows = run_methods(engine, prompts, references, ["ar", "sd", "mirror"], args.max_new_tokens)
+        agg = {m: aggregate(rows, m) for m in ("ar", "sd", "mirror")}
+        table.append({"acceptance": acceptance, "methods": agg, "rows": rows})
+        print(
+            f"acceptance {acceptance}: "
+            + ", ".join(f"{m} {a['tokens_per_s']:.1f} tok/s" for m, a in agg.items())
+            + f" ({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
+    result["synthetic"] = table
+
+    print(
+        f"\n### Synthetic draft (forward {forward_ms:.1f} ms = {args.draft_cost:g} × a target token, "
+        f"{args.streams + 1} token(s) a forward), γ={args.gamma}, κ={args.kappa}, budget {args.budget}\n"
+    )
+    print(
+        "| acceptance | ar tok/s | sd tok/s | mirror tok/s | mirror/ar | mirror/sd | sd/ar | accepted | reuse | "
+        "hit | mirror predicted/measured | lossless |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in table:
+        a, s, m = (row["methods"][k] for k in ("ar", "sd", "mirror"))
+        print(
+            f"| {row['acceptance']:.1f} | {a['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | "
+            f"{m['tokens_per_s']:.1f} | {m['tokens_per_s'] / a['tokens_per_s']:.2f}× | "
+            f"{m['tokens_per_s'] / s['tokens_per_s']:.2f}× | {s['tokens_per_s'] / a['tokens_per_s']:.2f}× | "
+            f"{fmt(m['mean_accepted'])} | {fmt(m['reuse_rate'])} | {fmt(m['hit'])} | "
+            f"{fmt(m['overlap_efficiency'])} | {a['lossless'] and s['lossless'] and m['lossless']} |"
+        )
+
+    # --- part 2: the trained draft -------------------------------------------------------------------------------
+    if args.draft:
+        with MirrorEngine(target, args.proxy_head, args.draft, base) as engine:
+            engine.generate(prompts[0][1].messages(), 8, method="mirror")  # warm-up
+            rows = run_methods(engine, prompts, references, ["ar", "sd", "mirror"], args.max_new_tokens)
+        lens = replace(base, candidate_vocab=args.candidate_vocab)
+        with MirrorEngine(target, None, args.draft, lens) as engine:
+            lens_rows = run_methods(engine, prompts, references, ["mirror"], args.max_new_tokens)
+        agg = {m: aggregate(rows, m) for m in ("ar", "sd", "mirror")} | {"mirror_lens": aggregate(lens_rows, "mirror")}
+        result["trained"] = {"methods": agg, "rows": rows + lens_rows}
+        print(f"\n### Trained draft ({args.draft}) and proxy head ({args.proxy_head or 'logit lens'})\n")
+        print("| method | tok/s | vs ar | accepted | reuse | online hit_κ | wait ms | lossless |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, a in agg.items():
+            print(
+                f"| {name} | {a['tokens_per_s']:.1f} | {a['tokens_per_s'] / agg['ar']['tokens_per_s']:.2f}× | "
+                f"{fmt(a['mean_accepted'])} | {fmt(a['reuse_rate'])} | {fmt(a['hit'])} | {fmt(a['wait_ms'], 1)} | "
+                f"{a['lossless']} |"
+            )
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
