@@ -128,7 +128,7 @@ def main() -> None:
         engine.generate(prompts[0][1].messages(), 8, method="ar")  # warm-up
         ar = [engine.generate(p.messages(), args.max_new_tokens, method="ar") for _, p in prompts]
     references = [g.tokens for g in ar]
-    token_ms = 1000 * sum(g.seconds for g in ar) / sum(len(g.tokens) for g in ar)
+    token_ms = statistics.median(s.step_ms for g in ar for s in g.steps)  # a decoding step, prefill excluded
     forward_ms = args.draft_cost * token_ms
     print(
         f"{len(prompts)} prompts; target-only {1000 / token_ms:.1f} tokens/s ({token_ms:.1f} ms a token); "

@@ -92,7 +92,7 @@ class EngineConfig:
         if self.threads < 1 or self.timeout_s <= 0:
             raise MirrorTrainError("threads must be ≥ 1 and timeout_s > 0")
         cores = os.sched_getaffinity(0)
-        for name in ("target_core", "draft_core"):
+        for name in ("target_core", "draft_core") if self.placement != "local" else ():  # local: nothing is pinned
             core = getattr(self, name)
             if core is not None and core not in cores:
                 raise MirrorTrainError(f"{name}={core} is not a core this process may use ({sorted(cores)})")
@@ -119,6 +119,7 @@ class StepStats:
     step_ms: float = 0.0
     branch_ms: float = 0.0
     fallback_ms: float = 0.0
+    draft_forwards: int = 0  # forwards of the fallback rollout that made the next window (0: reused or none)
     predicted_ms: float = 0.0
 
 
@@ -441,6 +442,7 @@ class MirrorEngine:
                     stats.reused = info["reused"] if method == "mirror" else None
                     stats.branches = info.get("branches", 0)
                     stats.branch_ms, stats.fallback_ms = info.get("branch_ms", 0.0), info.get("fallback_ms", 0.0)
+                    stats.draft_forwards = info.get("forwards", 0)
                 if asked:
                     self._suffix_ms = (
                         stats.suffix_ms if self._suffix_ms is None else 0.8 * self._suffix_ms + 0.2 * stats.suffix_ms

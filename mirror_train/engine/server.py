@@ -58,7 +58,12 @@ class DraftServer:
             self._branches(*msg[1:])
             return None, None
         if kind == "hidden":
-            self._branches(*self._candidates(msg[1]), msg[2])
+            start = time.perf_counter()
+            candidates = self._candidates(msg[1])
+            deadline = msg[2]
+            if deadline is not None:  # the head's time here comes out of the rollout's share of the target's suffix
+                deadline -= (time.perf_counter() - start) * 1000
+            self._branches(*candidates, deadline)
             return None, None
         if kind == "verdict":
             return self._verdict(*msg[1:])

@@ -66,7 +66,8 @@ def resolve_questions(path: str | None, download: bool, cache_dir: str, checksum
 
 def load_questions(path: Path, categories: list[str] | None = None, per_category: int | None = None) -> list[Prompt]:
     """The questions, in file order, filtered to `categories` (Spec-Bench categories or task names such as
-    mt_bench), at most `per_category` of each category."""
+    mt_bench), at most `per_category` of each of Spec-Bench's six tasks (the unit its reports use), spread evenly
+    over the task's questions (so mt_bench's come from its eight categories)."""
     questions = load_prompts(path)
     for i, q in enumerate(questions, 1):
         if q.category not in TASKS:
@@ -78,11 +79,12 @@ def load_questions(path: Path, categories: list[str] | None = None, per_category
             raise MirrorTrainError(f"unknown categories {bad}; choose from {sorted(known)}")
         questions = [q for q in questions if q.category in categories or TASKS[q.category] in categories]
     if per_category is not None:
-        seen: dict[str, int] = {}
-        kept = []
+        by_task: dict[str, list[Prompt]] = {}
         for q in questions:
-            if seen.get(q.category, 0) < per_category:
-                kept.append(q)
-                seen[q.category] = seen.get(q.category, 0) + 1
-        questions = kept
+            by_task.setdefault(TASKS[q.category], []).append(q)
+        kept = set()
+        for qs in by_task.values():
+            step = len(qs) / min(per_category, len(qs))
+            kept.update(qs[int(i * step)].id for i in range(min(per_category, len(qs))))
+        questions = [q for q in questions if q.id in kept]
     return questions

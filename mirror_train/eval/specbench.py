@@ -37,7 +37,7 @@ class SpecBenchConfig:
     draft: str | None = None  # an exported draft (needed by sd, mirror, assisted)
     methods: str = "ar,sd,mirror,assisted,pld"
     categories: str | None = None  # comma-separated categories or tasks (mt_bench, translation, ...); None: all
-    limit_per_category: int | None = None
+    limit_per_category: int | None = None  # questions per Spec-Bench task, spread over the task
     max_new_tokens: int = 128
     temperature: float = 0.0
     runs: int = 1  # timed repetitions of each turn (the median is recorded)

@@ -1,0 +1,139 @@
+"""A trained draft measured on its own: held-out agreement in a real lossless loop, streaming against
+token-by-token drafting, latency per tree size, parameters.
+
+    python scripts/bench_drafter.py --draft outputs/drafter_smollm2/export --out docs/results/drafter_smollm2.json
+
+- Serial speculative decoding (the engine's `sd`, draft in-process, greedy) on `--prompts` Spec-Bench questions
+  (none is ever trained on): mean accepted tokens per verification at γ = 1..5, with the lookahead streams and
+  token by token, and the draft forwards each window took. Every output is checked against the target's own.
+- Latency of one tree forward over 1, 8 and 32 new nodes after a 300-token context, one thread (one core).
+- `--log`: a training log (the recipe's stdout) to turn into the curve of held-out top-1 agreement against
+  steps, minutes and training positions.
+Prints Markdown tables; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from pathlib import Path
+
+import torch
+
+from mirror_train.drafter_training import load_draft
+from mirror_train.engine import EngineConfig, MirrorEngine
+from mirror_train.prompts import default_specbench_file, load_prompts
+from mirror_train.target import Target
+from mirror_train.timing import median_ms, torch_threads
+
+
+def lossless_loop(target, draft_path, prompts, gammas, max_new_tokens, references):
+    rows = []
+    for streams in (True, False):
+        for gamma in gammas:
+            cfg = EngineConfig(gamma=gamma, branch_budget=1, placement="local", use_streams=streams)
+            with MirrorEngine(target, None, draft_path, cfg) as engine:
+                gens = [engine.generate(p.messages(), max_new_tokens, method="sd") for p in prompts]
+            steps = [s for g in gens for s in g.steps]
+            rows.append(
+                {
+                    "streams": streams,
+                    "gamma": gamma,
+                    "mean_accepted": sum(len(g.tokens) for g in gens) / len(steps),
+                    "forwards_per_window": statistics.mean(s.draft_forwards for s in steps if s.draft_forwards),
+                    "lossless": all(g.tokens == ref for g, ref in zip(gens, references, strict=True)),
+                }
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def latency(target, draft, nodes=(1, 8, 32), context=300):
+    """Median ms of one tree forward over n new chained nodes after `context` cached tokens, on one thread."""
+    from mirror_train.models.drafter import keep_cache_path
+
+    ids = torch.randint(0, target.vocab_size, (1, context))
+    out = {}
+    with torch_threads(1):
+        cache = draft.new_cache()
+        draft(ids, cache=cache, num_streams=0, logits_index=torch.tensor([context - 1]))
+        for n in nodes:
+            for streams in sorted({0, draft.config.num_streams}):
+                tokens, parents = list(range(n)), list(range(-1, n - 1))
+
+                def step(tokens=tokens, parents=parents, streams=streams):
+                    draft.tree_forward(tokens, parents, cache, num_streams=streams)
+                    keep_cache_path(cache, context, [])  # drop the nodes again
+
+                out[f"{n}_nodes_{streams}_streams_ms"] = median_ms(step, repeats=20)
+    return out
+
+
+def parse_log(path: str, batch_size: int) -> list[dict]:
+    """(step, minutes, positions, top1) from the tqdm lines of a recipe log."""
+    text = Path(path).read_text(errors="replace").replace("\r", "\n")
+    points, last = [], None
+    for m in re.finditer(r"(\d+)/\d+ \[(\d+):(\d+)(?::(\d+))?<[^,]*,[^\]]*top1=([0-9.]+)", text):
+        step, top1 = int(m.group(1)), float(m.group(5))
+        parts = [int(x) for x in m.group(2, 3, 4) if x is not None]
+        minutes = parts[0] * 60 + parts[1] + parts[2] / 60 if len(parts) == 3 else parts[0] + parts[1] / 60
+        if top1 != last:  # the first bar update after an evaluation
+            points.append({"step": step, "minutes": round(minutes, 2), "positions": step * batch_size, "top1": top1})
+            last = top1
+    return points
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--gammas", default="1,2,3,4,5")
+    ap.add_argument("--log", default=None)
+    ap.add_argument("--batch-size", type=int, default=512, help="positions per step of the logged run")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    target = Target.load("testbed")
+    draft = load_draft(args.draft, target)
+    layers = sum(p.numel() for n, p in draft.named_parameters() if not n.startswith(("embed_tokens", "lm_head")))
+    total = sum(p.numel() for p in draft.parameters())
+    result = {"draft": args.draft, "parameters": total, "parameters_without_embeddings_and_head": layers}
+    print(f"{total:,} parameters ({layers:,} without the embeddings and the head)")
+
+    result["latency_ms"] = latency(target, draft)
+    print("| tree nodes | main only ms | with streams ms |\n|---|---|---|")
+    for n in (1, 8, 32):
+        lat, s = result["latency_ms"], draft.config.num_streams
+        print(f"| {n} | {lat[f'{n}_nodes_0_streams_ms']:.1f} | {lat[f'{n}_nodes_{s}_streams_ms']:.1f} |")
+
+    questions = load_prompts(default_specbench_file())
+    prompts = questions[:: max(len(questions) // args.prompts, 1)][: args.prompts]
+    with MirrorEngine(target, None, None, EngineConfig(placement="local")) as engine:
+        references = [engine.generate(p.messages(), args.max_new_tokens, method="ar").tokens for p in prompts]
+    gammas = [int(g) for g in args.gammas.split(",")]
+    result["serial"] = lossless_loop(target, args.draft, prompts, gammas, args.max_new_tokens, references)
+    print("\n| γ | accepted (streams) | forwards / window | accepted (token by token) | forwards / window | lossless |")
+    print("|---|---|---|---|---|---|")
+    for g in gammas:
+        s = next(r for r in result["serial"] if r["streams"] and r["gamma"] == g)
+        t = next(r for r in result["serial"] if not r["streams"] and r["gamma"] == g)
+        print(
+            f"| {g} | {s['mean_accepted']:.3f} | {s['forwards_per_window']:.2f} | {t['mean_accepted']:.3f} | "
+            f"{t['forwards_per_window']:.2f} | {s['lossless'] and t['lossless']} |"
+        )
+    if args.log:
+        result["curve"] = parse_log(args.log, args.batch_size)
+        print("\n| step | minutes | training positions | held-out top-1 |\n|---|---|---|---|")
+        for p in result["curve"]:
+            print(f"| {p['step']} | {p['minutes']:.1f} | {p['positions']:,} | {p['top1']:.3f} |")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
