@@ -182,6 +182,7 @@ class MirrorEngine:
         self.draft = None  # the channel, once started
         self.channel_ms = 0.0
         self._suffix_ms: float | None = None
+        self._awaiting = False  # a request is out whose reply has not been read
 
     # --- set-up ----------------------------------------------------------------------------------------------
     def _bind_head(self, proxy_head):
@@ -356,12 +357,26 @@ class MirrorEngine:
         self.spec = None  # do not restart a draft that failed
 
     def _steps(self, prompt, max_new_tokens, method, stop, reference) -> Iterator[tuple[list[int], StepStats]]:
+        """`_run`, and if anything escapes it (Ctrl-C, an error) while the draft owes a reply, a stopped draft: a
+        stale reply left in the channel would put every later step out of step. The next generate starts a new one."""
+        self._awaiting = False
+        try:
+            yield from self._run(prompt, max_new_tokens, method, stop, reference)
+        except BaseException:
+            if self._awaiting and self.draft is not None:
+                self.draft.close()
+                self.draft = None
+            raise
+
+    def _run(self, prompt, max_new_tokens, method, stop, reference) -> Iterator[tuple[list[int], StepStats]]:
         if method not in METHODS:
             raise MirrorTrainError(f"method must be one of {METHODS}, got {method!r}")
         if method != "ar" and self.spec is None and self.draft is None:
             raise MirrorTrainError(f"method {method!r} needs a draft; this engine has none (or its draft failed)")
         if max_new_tokens < 1:
             raise MirrorTrainError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        if method != "ar" and reference is None and (self.spec or {}).get("kind") == "synthetic":
+            raise MirrorTrainError("the synthetic draft needs reference= (the target's own continuation of the prompt)")
         ids = self._ids(prompt)
         stops = set(stop) if stop is not None else self.stops
         cfg, target, head = self.config, self.target, self.head
@@ -374,6 +389,7 @@ class MirrorEngine:
             if use_draft:
                 try:
                     self.draft.send(("start", ids, cfg.gamma, list(reference) if reference is not None else None))
+                    self._awaiting = True
                 except DraftUnavailable as e:
                     self._fault(e)
                     use_draft = False
@@ -386,6 +402,7 @@ class MirrorEngine:
             if use_draft:
                 try:
                     window = self.draft.recv(cfg.timeout_s)[1]
+                    self._awaiting = False
                 except DraftUnavailable as e:
                     self._fault(e)
                     use_draft = False
@@ -425,7 +442,9 @@ class MirrorEngine:
                 if use_draft and not done:
                     try:
                         self.draft.send(("verdict", accepted, correction))
+                        self._awaiting = True
                         _, next_window, info = self.draft.recv(cfg.timeout_s)
+                        self._awaiting = False
                     except DraftUnavailable as e:
                         self._fault(e)
                         use_draft = False

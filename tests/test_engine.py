@@ -1,0 +1,488 @@
+"""The Mirror-SD engine on tiny random models: its pure rules, the draft's tree rollout, losslessness in every
+placement, faults, sampling, and input checks. The testbed tier is in test_engine_testbed.py."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+from mirror_train.engine import EngineConfig, MirrorEngine, SyntheticDraftConfig
+from mirror_train.engine.acceptance import accept, truncate
+from mirror_train.engine.branches import fit_budget, rank_branches
+from mirror_train.engine.channel import ProcessDraft
+from mirror_train.engine.latency import expected_committed
+from mirror_train.errors import MirrorTrainError
+from mirror_train.models.drafter import MirrorDrafterForCausalLM
+from mirror_train.target import Target
+from tests.conftest import tiny_model, tiny_tokenizer
+
+MAX_NEW = 20
+# Workers in their own process: any core (the machine may have fewer than two free), started only where a test
+# is about the channel.
+ANY_CORE = {"target_core": None, "draft_core": None}
+
+
+@pytest.fixture(scope="module")
+def target():
+    tok = tiny_tokenizer()
+    return Target(tiny_model("llama", layers=4, vocab=len(tok)), tok, "tiny")
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return MirrorDrafterForCausalLM.from_target(target, 2, 2, 1)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(6, 128, (n,), generator=g).tolist() for n in (1, 5, 13)]
+
+
+def reference(target, prompt, max_new_tokens=MAX_NEW):
+    """The target's own greedy continuation, by transformers' generate: what every method must reproduce."""
+    out = target.model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(target, prompts):
+    return [reference(target, p) for p in prompts]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def assert_no_worker(pid: int | None = None) -> None:
+    """No child process left, and the worker (by pid) gone: nothing outlives the engine."""
+    assert multiprocessing.active_children() == []
+    if pid is not None:
+        deadline = time.monotonic() + 5
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(pid)
+
+
+# --- the pure rules ----------------------------------------------------------------------------------------------
+def test_accept_keeps_the_matching_prefix_then_the_targets_token():
+    assert accept([1, 2, 3], [1, 2, 3, 4]) == (3, 4)  # the whole window: the bonus token
+    assert accept([1, 2, 3], [1, 9, 3, 4]) == (1, 9)  # a match after a mismatch does not count
+    assert accept([5], [6, 7]) == (0, 6)
+    assert accept([], [7]) == (0, 7)  # an empty window: a plain target step
+    with pytest.raises(ValueError):
+        accept([1, 2], [1, 2])
+
+
+def test_truncate_keeps_the_stop_token_and_honours_max_new_tokens():
+    assert truncate([1, 2, 3, 4], {3}, 10) == ([1, 2, 3], True)
+    assert truncate([1, 2, 3, 4], set(), 2) == ([1, 2], True)
+    assert truncate([1, 2], set(), 5) == ([1, 2], False)
+    assert truncate([1, 2, 3], {3}, 2) == ([1, 2], True)  # a stop beyond the limit is never reached
+    assert truncate([1, 2, 3], {2}, 2) == ([1, 2], True)
+
+
+def test_rank_branches_orders_by_probability_and_skips_the_spine():
+    """score(r, c) = P(A ≥ r) · (1 − a_r) / (1 − p(d_{r+1} | r)) · p(c | r), a_r = accept_prob (branches.py)."""
+    window = [5, 7]
+    cand_ids = [[5, 3], [9, 7], [4, 6]]
+    cand_logp = [[math.log(p) for p in row] for row in ([0.6, 0.3], [0.5, 0.4], [0.7, 0.2])]
+    window_logp = [math.log(0.6), math.log(0.4)]
+    accept_prob = [0.8, 0.5]
+    # r=0: stop 1·0.2/0.4 = 0.5 → (0, 3) 0.15; r=1: 0.8·0.5/0.6 → (1, 9) 1/3; r=2: 0.8·0.5 → (2, 4) 0.28, (2, 6) 0.08
+    ranked = rank_branches(window, cand_ids, cand_logp, window_logp, accept_prob, budget=10)
+    assert [(r, c) for r, c, _ in ranked] == [(1, 9), (2, 4), (0, 3), (2, 6)]  # (0, 5) and (1, 7) are the spine
+    assert [s for _, _, s in ranked] == pytest.approx([1 / 3, 0.28, 0.15, 0.08])
+    assert rank_branches(window, cand_ids, cand_logp, window_logp, accept_prob, budget=2) == ranked[:2]
+    # A tie (1 · 0.5/0.5 · 0.25 = 0.5 · 0.5) goes to the earlier position.
+    tie = rank_branches([5], [[6], [8]], [[math.log(0.25)], [math.log(0.5)]], [math.log(0.5)], [0.5], budget=2)
+    assert tie == [(0, 6, 0.25), (1, 8, 0.25)]
+
+
+def test_fit_budget_fits_a_line_and_clamps():
+    samples = [(1, 10.0), (8, 45.0)]  # ms = 5 + 5·n
+    assert fit_budget(samples, 30.0, 8) == 5
+    assert fit_budget(samples, 1000.0, 8) == 8  # clamped to the budget
+    assert fit_budget(samples, 1.0, 8) == 1  # never fewer than one branch
+    assert fit_budget([(4, 10.0), (4, 30.0)], 1.0, 8) == 8  # one distinct count: no line, the whole budget
+    assert fit_budget([], 1.0, 8) == 8
+    assert fit_budget(samples, None, 8) == 8
+
+
+def test_expected_committed():
+    assert expected_committed(0.0, 4) == 1.0
+    assert expected_committed(1.0, 4) == 5.0
+    assert expected_committed(0.5, 3) == pytest.approx(1.875)  # 1 + 1/2 + 1/4 + 1/8
+
+
+# --- the draft's tree rollout -------------------------------------------------------------------------------------
+def prefill(model, context: list[int]):
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(torch.tensor([context]), cache=cache, num_streams=0)
+    return cache
+
+
+@pytest.mark.parametrize("num_streams", [0, 2])
+def test_rollout_tree_equals_each_branch_rolled_out_alone(target, num_streams):
+    """The engine's one batched tree forward must draft what a serial rollout of each branch would."""
+    draft = MirrorDrafterForCausalLM.from_target(target, 2, num_streams, 1)
+    context, spine = [7, 30, 31, 8, 99], [12, 40, 41, 42]
+    branches = [(0, 9), (2, 50), (3, None), (1, None), (-1, 5), (3, 60), (0, None)]
+    batched = draft.rollout_tree(prefill(draft, context), spine, branches, gamma=5)
+    for (anchor, token), result in zip(branches, batched):
+        root = spine[: anchor + 1] + ([token] if token is not None else [])
+        alone = draft.rollout(prefill(draft, context), [root], gamma=5)[0]
+        assert result.tokens == alone.tokens, (anchor, token)
+        torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+
+
+def proxy_head(target, kind: str):
+    from mirror_train.models.proxy_head import ProxyHead, ProxyHeadConfig
+
+    if kind == "lens":
+        return None
+    torch.manual_seed(0)
+    cfg = ProxyHeadConfig(kind=kind, exit_layer=2, kappa=4, mlp_hidden=64)
+    return ProxyHead(cfg, target.hidden_size).bind(target)
+
+
+# --- losslessness, in-process --------------------------------------------------------------------------------------
+SETTINGS = [  # (kappa, gamma, branch_budget, use_streams)
+    (1, 1, 1, True),
+    (4, 3, 6, True),
+    (8, 5, 48, True),
+    (2, 4, 3, False),
+]
+
+
+@pytest.mark.parametrize("kappa,gamma,budget,use_streams", SETTINGS)
+def test_every_method_reproduces_the_targets_greedy_output(
+    target, draft, prompts, references, kappa, gamma, budget, use_streams
+):
+    cfg = EngineConfig(kappa=kappa, gamma=gamma, branch_budget=budget, use_streams=use_streams, placement="local")
+    with MirrorEngine(target, None, draft, cfg) as engine:
+        for prompt, ref in zip(prompts, references):
+            for method in ("ar", "sd", "mirror"):
+                g = engine.generate(prompt, MAX_NEW, method=method, stop=[])
+                assert g.tokens == ref, (method, prompt)
+                assert sum(s.committed for s in g.steps) == MAX_NEW
+                if method == "mirror":
+                    assert g.reuse_rate is not None
+
+
+def test_an_attention_proxy_head_with_its_own_cache_stays_lossless(target, draft, prompts, references):
+    """The attention head keeps a KV cache of its own, cropped with the target's at every step."""
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local")
+    with MirrorEngine(target, proxy_head(target, "attention"), draft, cfg) as engine:
+        for prompt, ref in zip(prompts, references):
+            assert engine.generate(prompt, MAX_NEW, method="mirror", stop=[]).tokens == ref
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
+def test_a_synthetic_draft_at_any_acceptance_is_lossless(target, prompts, references, acceptance):
+    gamma = 3
+    cfg = EngineConfig(kappa=4, gamma=gamma, branch_budget=6, placement="local")
+    with MirrorEngine(target, None, SyntheticDraftConfig(acceptance=acceptance, forward_ms=0), cfg) as engine:
+        for prompt, ref in zip(prompts, references):
+            for method in ("sd", "mirror"):
+                g = engine.generate(prompt, MAX_NEW, method=method, stop=[], reference=ref)
+                assert g.tokens == ref, (method, prompt)
+                if acceptance == 1.0:  # every window accepted whole: γ + 1 a step (the last step may be cut)
+                    assert all(s.committed == gamma + 1 for s in g.steps[:-1]), method
+                    assert g.mean_accepted == MAX_NEW / math.ceil(MAX_NEW / (gamma + 1))
+                if acceptance == 0.0:
+                    assert g.mean_accepted == 1.0 and all(s.accepted == 0 for s in g.steps)
+
+
+@pytest.mark.parametrize(
+    "kind,head_placement,candidate_vocab",
+    [("lens", "target", 16), ("lens", "draft", None), ("mlp", "draft", 16), ("mlp", "target", None)],
+)
+def test_where_the_proxy_head_runs_and_what_it_scores_never_change_the_output(
+    target, draft, prompts, references, kind, head_placement, candidate_vocab
+):
+    """On the draft's side the head gets ℓe states instead of candidates; restricted to a candidate vocabulary, a
+    drafted token outside it has no proxy log-prob. Both change only the branches."""
+    placed = {"head_placement": head_placement, "candidate_vocab": candidate_vocab}
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", **placed)
+    with MirrorEngine(target, proxy_head(target, kind), draft, cfg) as engine:
+        for prompt, ref in zip(prompts, references):
+            g = engine.generate(prompt, MAX_NEW, method="mirror", stop=[])
+            assert g.tokens == ref, prompt
+            assert any(s.branches for s in g.steps)  # branches were rolled out from the head's candidates
+
+
+def test_stream_yields_the_generated_tokens_and_stops_after_a_stop_token(target, draft, prompts, references):
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local")
+    with MirrorEngine(target, None, draft, cfg) as engine:
+        for prompt, ref in zip(prompts, references):
+            assert list(engine.stream(prompt, MAX_NEW, method="mirror", stop=[])) == ref
+            stop = ref[7]
+            cut = ref[: ref.index(stop) + 1]
+            assert engine.generate(prompt, MAX_NEW, method="mirror", stop=[stop]).tokens == cut
+            assert list(engine.stream(prompt, MAX_NEW, method="sd", stop=[stop])) == cut
+            assert engine.generate(prompt, 1, method="mirror", stop=[]).tokens == ref[:1]
+
+
+def test_chat_messages_and_strings_are_encoded_with_the_chat_template(target, draft):
+    from mirror_train.generation import encode_chat
+
+    messages = [{"role": "user", "content": "explain what this is"}]
+    ids = encode_chat(target.tokenizer, messages)
+    ref = reference(target, ids, 12)
+    with MirrorEngine(target, None, draft, EngineConfig(placement="local")) as engine:
+        assert engine.generate(messages, 12, method="mirror", stop=[]).tokens == ref
+        assert engine.generate("explain what this is", 12, method="sd", stop=[]).tokens == ref
+
+
+# --- a worker process, gloo, faults ----------------------------------------------------------------------------
+def test_a_worker_process_is_lossless_and_gone_when_the_with_block_raises(target, draft, prompts, references):
+    """One worker serves both checks (each start costs seconds of imports)."""
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="process", **ANY_CORE)
+    with pytest.raises(KeyError, match="raised in the block"):
+        with MirrorEngine(target, None, draft, cfg) as engine:
+            assert engine.channel_ms > 0
+            pid = engine.draft.pid
+            assert alive(pid) and multiprocessing.active_children()
+            for prompt, ref in zip(prompts[1:], references[1:]):
+                for method in ("sd", "mirror"):
+                    g = engine.generate(prompt, MAX_NEW, method=method, stop=[])
+                    assert g.tokens == ref, (method, prompt)
+            # A stream left after a few tokens leaves no reply behind: the next generation gets its own windows
+            # (sd's steps are deterministic, so a window off by one step would show in them).
+            sd = [s.committed for s in engine.generate(prompts[2], MAX_NEW, method="sd", stop=[]).steps]
+            abandoned = engine.stream(prompts[2], MAX_NEW, method="sd", stop=[])
+            assert [next(abandoned) for _ in range(5)] == references[2][:5]
+            del abandoned
+            assert [s.committed for s in engine.generate(prompts[2], MAX_NEW, method="sd", stop=[]).steps] == sd
+            assert max(sd) > 1  # drafted tokens were accepted, so a lagging window would have changed the steps
+            raise KeyError("raised in the block")
+    assert_no_worker(pid)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_gloo_peer_is_lossless(target, draft, prompts, references):
+    """With the proxy head on the draft's side, so that the largest message (the ℓe states) crosses gloo too."""
+    port = free_port()
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="gloo", gloo_port=port, head_placement="draft")
+    cfg.target_core = cfg.draft_core = None
+    engine = MirrorEngine(target, None, draft, cfg).start()
+    try:
+        assert engine.channel_ms > 0
+        pid = engine.draft.pid
+        assert engine.generate(prompts[2], MAX_NEW, method="mirror", stop=[]).tokens == references[2]
+    finally:
+        engine.close()
+    assert_no_worker(pid)
+    engine.close()  # twice is harmless
+
+
+def test_a_killed_worker_leaves_the_output_unchanged(target, draft, prompts, references):
+    """SIGKILL mid-generation: a warning, then target-only from the committed tokens; the output is the target's."""
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="process", timeout_s=20, **ANY_CORE)
+    prompt, ref = prompts[2], references[2]
+    with MirrorEngine(target, None, draft, cfg) as engine:
+        pid = engine.draft.pid
+        tokens = []
+        with pytest.warns(RuntimeWarning, match="draft unavailable"):
+            for token in engine.stream(prompt, MAX_NEW, method="mirror", stop=[]):
+                tokens.append(token)
+                if len(tokens) == 3:
+                    os.kill(pid, signal.SIGKILL)
+        assert tokens == ref
+        assert engine.draft is None
+        with pytest.raises(MirrorTrainError, match="needs a draft"):  # a failed draft is not restarted
+            engine.generate(prompt, 4, method="mirror")
+        assert engine.generate(prompt, MAX_NEW, method="ar", stop=[]).tokens == ref
+    assert_no_worker(pid)
+
+
+def test_a_silent_worker_times_out_and_the_output_is_unchanged(target, prompts, references):
+    """A draft slower than timeout_s is taken for dead: the engine goes on target-only instead of waiting."""
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="process", timeout_s=0.5, **ANY_CORE)
+    slow = SyntheticDraftConfig(acceptance=1.0, forward_ms=5000)  # the first window alone takes seconds
+    with MirrorEngine(target, None, slow, cfg) as engine:
+        pid = engine.draft.pid
+        start = time.perf_counter()
+        with pytest.warns(RuntimeWarning, match="did not answer within 0.5 s"):
+            g = engine.generate(prompts[1], MAX_NEW, method="mirror", stop=[], reference=references[1])
+        assert g.tokens == references[1]
+        assert all(s.window == 0 for s in g.steps)
+        assert time.perf_counter() - start < 4.5  # the timeout, and the worker's shutdown (join 2 s, then kill)
+    assert_no_worker(pid)
+
+
+def test_a_worker_that_cannot_start_raises_a_clear_error():
+    spec = {"kind": "model", "path": "/nonexistent/draft", "branch_budget": 4, "adaptive_budget": True}
+    with pytest.raises(MirrorTrainError, match="the draft worker did not start.*nonexistent"):
+        ProcessDraft(spec)
+    assert_no_worker()
+
+
+# --- sampling ---------------------------------------------------------------------------------------------------
+SAMPLED_VOCAB, SAMPLED_LEN, SAMPLES = 16, 3, 200  # 200 catch T = 0.8 for 1.0, or a biased acceptance
+
+
+@pytest.fixture(scope="module")
+def peaked_target():
+    """A tiny target whose next-token distributions are far from uniform (a random init's are nearly flat, which
+    a wrong sampler would match by accident)."""
+    model = tiny_model("llama", layers=4, vocab=SAMPLED_VOCAB, seed=1)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25)
+    return Target(model, None, "peaked")
+
+
+def exact_marginals(model, prompt: list[int], length: int) -> list[torch.Tensor]:
+    """P(y_i = v) at each of the first `length` positions, by enumerating every path (V^(length-1) of them)."""
+    V = SAMPLED_VOCAB
+    paths, weights, marginals = [[]], torch.ones(1, dtype=torch.float64), []
+    for _ in range(length):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + p for p in paths])).logits[:, -1].double()
+        joint = weights[:, None] * logits.softmax(-1)  # (paths, V)
+        marginals.append(joint.sum(0))
+        paths = [p + [v] for p in paths for v in range(V)]
+        weights = joint.flatten()
+    return marginals
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of observed counts against probabilities, categories with < 5 expected merged into one."""
+    from scipy.stats import chisquare
+
+    expected = probs * counts.sum()
+    big = expected >= 5
+    observed = counts[big].tolist() + [counts[~big].sum().item()]
+    wanted = expected[big].tolist() + [expected[~big].sum().item()]
+    if wanted[-1] == 0:
+        observed, wanted = observed[:-1], wanted[:-1]
+    return chisquare(observed, wanted).pvalue
+
+
+def test_sampling_follows_the_targets_distribution(peaked_target):
+    """At T = 1 every committed token must be a sample of the target's own distribution, whatever the draft
+    proposed: the engine's per-position marginals over many seeds match the exact ones."""
+    draft = MirrorDrafterForCausalLM.from_target(peaked_target, 2, 2, 1)
+    prompt = [3, 1, 4, 1, 5]
+    cfg = EngineConfig(kappa=4, gamma=2, branch_budget=4, temperature=1.0, placement="local")
+    counts = torch.zeros(SAMPLED_LEN, SAMPLED_VOCAB)
+    accepted = 0
+    with MirrorEngine(peaked_target, None, draft, cfg) as engine:
+        for seed in range(SAMPLES):
+            engine.config.seed = seed  # read by each generate call
+            g = engine.generate(prompt, SAMPLED_LEN, method="mirror", stop=[])
+            accepted += sum(s.accepted for s in g.steps)
+            for i, token in enumerate(g.tokens):
+                counts[i, token] += 1
+        engine.config.seed = 12345
+        first = engine.generate(prompt, 8, method="mirror", stop=[]).tokens
+        assert engine.generate(prompt, 8, method="mirror", stop=[]).tokens == first  # the same seed, the same output
+    assert accepted > 0  # drafted tokens were kept, so the acceptance path was exercised
+    for i, probs in enumerate(exact_marginals(peaked_target.model, prompt, SAMPLED_LEN)):
+        assert chi_square_p(counts[i].double(), probs) > 1e-3, (i, counts[i], probs * SAMPLES)
+
+
+# --- bad input -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("kappa", 0, "κ"),
+        ("gamma", 0, "gamma"),
+        ("branch_budget", 4 * 4 + 1, "branch_budget"),
+        ("temperature", -0.5, "temperature"),
+        ("target_device", "cuda:3", "cuda:3"),
+        ("draft_core", 10_000, "draft_core"),
+        ("exit_layer", 4, "exit layer"),
+        ("exit_layer", 0, "exit layer"),
+        ("placement", "nowhere", "placement"),
+        ("candidate_vocab", 3, "candidate_vocab"),
+        ("candidate_vocab", 129, "candidate_vocab"),
+        ("head_placement", "elsewhere", "head_placement"),
+    ],
+)
+def test_a_bad_config_is_refused_before_any_worker_starts(target, draft, field, value, message):
+    cfg = EngineConfig(kappa=4, gamma=3, placement="process")
+    setattr(cfg, field, value)
+    with pytest.raises(MirrorTrainError, match=message):
+        MirrorEngine(target, None, draft, cfg)
+    assert multiprocessing.active_children() == []
+
+
+def test_an_attention_head_cannot_run_on_the_drafts_side(target, draft):
+    cfg = EngineConfig(kappa=4, gamma=3, head_placement="draft")
+    with pytest.raises(MirrorTrainError, match="only beside its target"):
+        MirrorEngine(target, proxy_head(target, "attention"), draft, cfg)
+    assert multiprocessing.active_children() == []
+
+
+def test_a_draft_for_another_vocabulary_is_refused(target):
+    other = Target(tiny_model("llama", layers=4, vocab=64), None, "other")
+    with pytest.raises(MirrorTrainError, match="vocabulary"):
+        MirrorEngine(target, None, MirrorDrafterForCausalLM.from_target(other, 2, 2, 1), EngineConfig())
+    with pytest.raises(MirrorTrainError):
+        MirrorEngine(target, None, "/nonexistent/draft", EngineConfig())
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"method": "foo"}, "method"),
+        ({"prompt": []}, "empty"),
+        ({"prompt": [1, 128]}, "prompt token ids"),
+        ({"prompt": [-1, 5]}, "prompt token ids"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+    ],
+)
+def test_bad_generate_arguments_are_refused_before_the_worker_starts(target, draft, kwargs, message):
+    engine = MirrorEngine(target, None, draft, EngineConfig(placement="process", **ANY_CORE))
+    args = {"prompt": [1, 2, 3], "max_new_tokens": 4, "method": "mirror", **kwargs}
+    with pytest.raises(MirrorTrainError, match=message):
+        engine.generate(args.pop("prompt"), **args)
+    assert engine.draft is None and multiprocessing.active_children() == []
+    engine.close()
+
+
+@pytest.mark.parametrize("method", ["sd", "mirror"])
+def test_speculative_methods_need_a_draft(target, method):
+    engine = MirrorEngine(target, None, None, EngineConfig(placement="process", **ANY_CORE))
+    with pytest.raises(MirrorTrainError, match="needs a draft"):
+        engine.generate([1, 2, 3], 4, method=method)
+    assert engine.generate([1, 2, 3], 4, method="ar", stop=[]).tokens == reference(target, [1, 2, 3], 4)
+
+
+def test_an_interrupted_generation_leaves_no_stale_reply_for_the_next(target, prompts, references):
+    """Ctrl-C while the draft owes a reply: the engine stops that worker, so the next generation's replies are its
+    own (before the fix every later step read the previous one's window and accepted nothing)."""
+    import threading
+
+    prompt, ref = prompts[1], references[1]
+    slow = SyntheticDraftConfig(acceptance=1.0, forward_ms=300, num_streams=0)
+    cfg = EngineConfig(gamma=3, branch_budget=4, adaptive_budget=False, placement="process", **ANY_CORE)
+    with MirrorEngine(target, None, slow, cfg) as engine:
+        threading.Timer(0.45, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(prompt, MAX_NEW, method="sd", stop=[], reference=ref)
+        after = engine.generate(prompt, MAX_NEW, method="sd", stop=[], reference=ref)
+    assert after.tokens == ref
+    assert after.mean_accepted > 3.5  # γ + 1 = 4 a step, but for the last

@@ -1,0 +1,124 @@
+"""`mirror-eval specbench`: the question file's checks, the score against hand values, and (testbed) a whole run
+with every method: answers in Spec-Bench's schema, identical greedy answers, resume, refusal of other settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mirror_train.cli import eval_main
+from mirror_train.errors import MirrorTrainError
+from mirror_train.eval.questions import check_file, load_questions
+from mirror_train.eval.score import score, write_report
+
+
+# --- the question file --------------------------------------------------------------------------------------------
+def test_the_shared_question_file_is_spec_benchs(shared_dir):
+    path = check_file(shared_dir / "data" / "specbench" / "question.jsonl")
+    questions = load_questions(path, ["qa", "mt_bench"], per_category=3)
+    assert len(questions) == 6 and {q.category for q in questions[3:]} == {"qa"}
+    assert len({q.category for q in questions[:3]}) == 3  # mt_bench's picks spread over its categories
+
+
+def test_a_question_file_with_another_checksum_is_refused(tmp_path, shared_dir):
+    copy = tmp_path / "q.jsonl"
+    copy.write_text((shared_dir / "data" / "specbench" / "question.jsonl").read_text()[:-2] + "\n")
+    with pytest.raises(MirrorTrainError, match="sha256 differs"):
+        check_file(copy)
+
+
+def test_bad_lines_and_categories_are_named(tmp_path):
+    bad = tmp_path / "q.jsonl"
+    bad.write_text('{"question_id": 1, "category": "qa", "turns": ["hi"]}\n{"question_id": 2, "turns": \n')
+    with pytest.raises(MirrorTrainError, match=r"q.jsonl:2"):
+        load_questions(bad)
+    bad.write_text('{"question_id": 1, "category": "poetry", "turns": ["hi"]}\n')
+    with pytest.raises(MirrorTrainError, match="unknown category 'poetry'"):
+        load_questions(bad)
+    bad.write_text('{"question_id": 1, "category": "qa", "turns": ["hi"]}\n')
+    with pytest.raises(MirrorTrainError, match="unknown categories"):
+        load_questions(bad, ["poetry"])
+
+
+# --- the score ----------------------------------------------------------------------------------------------------
+def answer(qid, category, turns, new_tokens, wall_time, accept_lengths, stats=None):
+    choice = {"index": 0, "turns": turns, "new_tokens": new_tokens, "wall_time": wall_time}
+    choice |= {"decoding_steps": [len(accept_lengths)], "accept_lengths": accept_lengths}
+    return {"question_id": qid, "category": category, "choices": [choice], "mirror_stats": stats or []}
+
+
+def test_score_recomputes_spec_bench_metrics_by_hand(tmp_path):
+    (tmp_path / "answers").mkdir()
+    ar = [answer(1, "qa", ["a"], [10], [2.0], [1] * 10), answer(2, "writing", ["b", "c"], [4, 4], [1.0, 1.0], [1] * 8)]
+    fast = [
+        answer(1, "qa", ["a"], [10], [1.0], [3, 3, 4], [{"reused": [True, False], "hits": [True], "omegas": [0.5]}]),
+        answer(2, "writing", ["b", "X"], [4, 4], [0.5, 0.5], [2, 2, 4]),
+    ]
+    for name, recs in (("ar", ar), ("mirror", fast)):
+        (tmp_path / "answers" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    result = score(tmp_path)["methods"]["mirror"]
+    # rate_q: ar 5 and 4 tokens/s, mirror 10 and 8: speed-up = mean(10, 8) / mean(5, 4) = 2.
+    assert result["overall"]["speedup"] == pytest.approx(2.0)
+    assert result["qa"]["tokens_per_s"] == pytest.approx(10.0)
+    assert result["overall"]["mean_accepted"] == pytest.approx(18 / 6)
+    assert result["overall"]["reuse_rate"] == 0.5 and result["overall"]["lossless"] == 0.5
+    report = write_report(tmp_path)
+    assert "2.00×" in report.read_text() and (tmp_path / "speedup.png").stat().st_size > 1000
+    assert eval_main(["specbench", "score", str(tmp_path)]) == 0
+
+
+# --- a whole run on the testbed -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def untrained_draft_dir(testbed_target, tmp_path_factory):
+    from mirror_train.drafter_training import save_draft
+    from mirror_train.models.drafter import MirrorDrafterForCausalLM
+
+    draft = MirrorDrafterForCausalLM.from_target(testbed_target, 2, 2, 1)
+    return save_draft(draft, tmp_path_factory.mktemp("draft") / "export", testbed_target)
+
+
+@pytest.mark.testbed
+def test_a_run_answers_every_method_identically_resumes_and_refuses_other_settings(
+    testbed_target, testbed_path, untrained_draft_dir, tmp_path, shared_dir
+):
+    from mirror_train.eval.specbench import SpecBenchConfig, run_specbench
+
+    cfg = SpecBenchConfig(
+        out=str(tmp_path / "run"),
+        target=str(testbed_path),
+        draft=str(untrained_draft_dir),
+        categories="qa,writing",  # writing: two turns, the second after the method's own first answer
+        limit_per_category=1,
+        max_new_tokens=8,
+        warmups=1,
+        placement="local",
+    )
+    out = run_specbench(cfg)
+    lines = {m: (out / "answers" / f"{m}.jsonl").read_text().splitlines() for m in cfg.method_list}
+    assert all(len(v) == 2 for v in lines.values())
+    record = json.loads(lines["mirror"][0])
+    assert {"question_id", "category", "answer_id", "model_id", "tstamp", "choices"} <= set(record)
+    choice = record["choices"][0]
+    assert len(choice["turns"]) == len(choice["new_tokens"]) == len(choice["wall_time"]) == 2
+    assert sum(choice["accept_lengths"]) == sum(choice["new_tokens"])
+    result = score(out)
+    assert all(r["overall"]["lossless"] == 1.0 for r in result["methods"].values())
+    for m in ("assisted", "pld"):
+        peer = [json.loads(line)["choices"][0] for line in lines[m]]
+        assert all(sum(c["accept_lengths"]) == sum(c["new_tokens"]) for c in peer)
+
+    run_specbench(cfg)  # resumed: nothing left to do, nothing rewritten
+    assert {m: (out / "answers" / f"{m}.jsonl").read_text().splitlines() for m in cfg.method_list} == lines
+    cfg.max_new_tokens = 16
+    with pytest.raises(MirrorTrainError, match="max_new_tokens: 8 → 16"):
+        run_specbench(cfg)
+    assert (out / "answers" / "ar.jsonl").read_text().splitlines() == lines["ar"]
+
+
+def test_bad_method_lists_are_refused():
+    from mirror_train.eval.specbench import SpecBenchConfig
+
+    for methods, message in (("sd,mirror", "must include ar"), ("ar,eagle", "unknown methods"), ("ar,sd", "--draft")):
+        with pytest.raises(MirrorTrainError, match=message):
+            SpecBenchConfig(methods=methods).validate()
