@@ -20,28 +20,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from mirror_train.engine import EngineConfig, MirrorEngine, SyntheticDraftConfig
-from mirror_train.prompts import default_specbench_file, load_prompts
+from mirror_train.eval.questions import TASKS, load_questions
+from mirror_train.prompts import default_specbench_file
 from mirror_train.target import Target
 
-TASKS = {  # Spec-Bench's six tasks; the eight MT-bench categories are one task
-    **{c: "mt_bench" for c in "writing roleplay reasoning math coding extraction stem humanities".split()},
-    "translation": "translation",
-    "summarization": "summarization",
-    "qa": "qa",
-    "math_reasoning": "math_reasoning",
-    "rag": "rag",
-}
 
-
-def pick_prompts(path, per_task: int, seed: int = 0):
-    by_task: dict[str, list] = {}
-    for p in load_prompts(path):
-        by_task.setdefault(TASKS.get(p.category, p.category), []).append(p)
-    picked = []
-    for task, prompts in sorted(by_task.items()):
-        step = max(len(prompts) // per_task, 1)
-        picked += [(task, p) for p in prompts[seed::step][:per_task]]
-    return picked
+def pick_prompts(path, per_task: int):
+    """(task, question) pairs: `per_task` questions of each Spec-Bench task, spread over it (turn 1 is used)."""
+    return [(TASKS[q.category], q) for q in load_questions(path, None, per_task)]
 
 
 def run_methods(engine, prompts, references, methods, max_new_tokens):
