@@ -40,12 +40,20 @@ def frequent_token_map(
     bad = [i for i in special if not 0 <= i < vocab_size]
     if bad:
         raise MirrorTrainError(f"token ids {sorted(set(bad))[:5]} are outside the vocabulary 0..{vocab_size - 1}")
-    chosen = set(special)
-    for token in token_ranking(token_id_lists, vocab_size).tolist():
-        if len(chosen) == size:
-            break
-        chosen.add(token)
-    filler = (i for i in range(vocab_size) if i not in chosen)
+    return top_ranked([*special, *token_ranking(token_id_lists, vocab_size).tolist()], size, vocab_size)
+
+
+def top_ranked(ranking: Iterable[int], size: int, vocab_size: int) -> torch.Tensor:
+    """The first `size` distinct ids of `ranking`, filled up with the lowest ids not in it: (size,) long, sorted.
+
+    A draft's reduced head (`frequent_token_map`) and a proxy head's candidate vocabulary (the engine's
+    `candidate_vocab`, from the ranking an exported head carries, or none: then the lowest ids) both take this.
+    """
+    if not 1 <= size <= vocab_size:
+        raise MirrorTrainError(f"a vocabulary of {size} ids does not fit 1..{vocab_size}")
+    chosen = list(dict.fromkeys(int(i) for i in ranking))[:size]
+    taken = set(chosen)
+    filler = (i for i in range(vocab_size) if i not in taken)
     while len(chosen) < size:
-        chosen.add(next(filler))
+        chosen.append(next(filler))
     return torch.tensor(sorted(chosen), dtype=torch.long)

@@ -45,6 +45,7 @@ from mirror_train.engine.latency import predicted_step_ms
 from mirror_train.errors import MirrorTrainError
 from mirror_train.metrics import check_kappa
 from mirror_train.target import Target
+from mirror_train.vocab import top_ranked
 
 METHODS = ("ar", "sd", "mirror")
 MAX_GAMMA = 32
@@ -175,7 +176,12 @@ class MirrorEngine:
             raise MirrorTrainError(f"kappa={cfg.kappa} exceeds the vocabulary ({target.vocab_size})")
         self.exit_layer = self.head.cfg.exit_layer
         if cfg.candidate_vocab is not None:
-            self.head.restrict(_candidate_ids(self.head.ranking, cfg.candidate_vocab, target.vocab_size))
+            if cfg.candidate_vocab > target.vocab_size:
+                raise MirrorTrainError(
+                    f"candidate_vocab={cfg.candidate_vocab} exceeds the vocabulary ({target.vocab_size})"
+                )
+            ranking = self.head.ranking.tolist() if self.head.ranking is not None else []
+            self.head.restrict(top_ranked(ranking, cfg.candidate_vocab, target.vocab_size))
         self.stops = set(stop_token_ids(target.tokenizer, target.config)) if target.tokenizer is not None else set()
         self._tmp = tempfile.TemporaryDirectory(prefix="mirror-engine-")  # what the worker loads: draft, head bundle
         self.spec = self._draft_spec(draft) if draft is not None else None
@@ -334,17 +340,6 @@ class MirrorEngine:
             raise MirrorTrainError(f"prompt token ids must be in 0..{self.target.vocab_size - 1}")
         return ids
 
-    @torch.inference_mode()
-    def _candidates(self, hidden, head_cache, window):
-        """The proxy head beside the target: top-κ target ids and log-probs at each window position, and the
-        log-prob of each drafted token (-30 for one outside a restricted vocabulary)."""
-        head = self.head
-        logp = torch.log_softmax(head(hidden, head_cache).float(), dim=-1)  # (γ+1, V')
-        top = logp.topk(self.config.kappa, dim=-1)
-        index = head.logit_index(torch.tensor(window, dtype=torch.long, device=logp.device))
-        window_logp = logp[torch.arange(len(window)), index.clamp(min=0)].masked_fill(index < 0, -30.0)
-        return head.to_target_ids(top.indices).tolist(), top.values.tolist(), window_logp.tolist()
-
     def _fault(self, err: Exception) -> None:
         warnings.warn(
             f"draft unavailable ({err}); continuing target-only: the output is unchanged, only slower",
@@ -416,7 +411,8 @@ class MirrorEngine:
                 asked = False
                 if method == "mirror" and use_draft and window:
                     if cfg.head_placement == "target":
-                        msg = ("branches", *self._candidates(state.hidden[0], head_cache, window), self._suffix_ms)
+                        candidates = head.window_candidates(state.hidden[0], window, cfg.kappa, head_cache)
+                        msg = ("branches", *candidates, self._suffix_ms)
                     else:  # the ℓe states cross instead: (γ+1)·H floats
                         msg = ("hidden", state.hidden[0].float().cpu().numpy(), self._suffix_ms)
                     t2 = time.perf_counter()
@@ -482,18 +478,6 @@ class MirrorEngine:
                 if done:
                     return
                 pending, window = correction, next_window
-
-
-def _candidate_ids(ranking: torch.Tensor | None, size: int, vocab_size: int) -> torch.Tensor:
-    """The `size` ids a restricted proxy head scores: its ranking's first, then the lowest ids not yet in."""
-    if size > vocab_size:
-        raise MirrorTrainError(f"candidate_vocab={size} exceeds the vocabulary ({vocab_size})")
-    chosen = list(dict.fromkeys((ranking.tolist() if ranking is not None else [])[:size]))
-    taken = set(chosen)
-    filler = (i for i in range(vocab_size) if i not in taken)
-    while len(chosen) < size:
-        chosen.append(next(filler))
-    return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
 @contextmanager

@@ -59,7 +59,7 @@ class DraftServer:
             return None, None
         if kind == "hidden":
             start = time.perf_counter()
-            candidates = self._candidates(msg[1])
+            candidates = self.head.window_candidates(torch.as_tensor(msg[1]).float(), self.window, self.kappa)
             deadline = msg[2]
             if deadline is not None:  # the head's time here comes out of the rollout's share of the target's suffix
                 deadline -= (time.perf_counter() - start) * 1000
@@ -82,16 +82,6 @@ class DraftServer:
         if self.adaptive_budget and len({n for n, _ in self.samples}) < 2:
             self._calibrate()
         return self._fallback({"reused": False, "branches": 0, "branch_ms": 0.0})
-
-    @torch.inference_mode()
-    def _candidates(self, hidden):
-        """The proxy head on this side: (γ+1, H) ℓe states → candidates, their log-probs, the window's log-probs."""
-        logp = torch.log_softmax(self.head(torch.as_tensor(hidden).float()).float(), dim=-1)  # (γ+1, V')
-        top = logp.topk(self.kappa, dim=-1)
-        index = self.head.logit_index(torch.tensor(self.window, dtype=torch.long))
-        window_logp = logp[torch.arange(len(self.window)), index.clamp(min=0)].masked_fill(index < 0, -30.0)
-        ids = self.head.to_target_ids(top.indices)
-        return ids.tolist(), top.values.tolist(), window_logp.tolist()
 
     def _branches(self, cand_ids, cand_logp, window_logp, deadline_ms):
         budget = fit_budget(self.samples, deadline_ms, self.branch_budget) if self.adaptive_budget else None

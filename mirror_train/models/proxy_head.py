@@ -29,6 +29,7 @@ from mirror_train.errors import MirrorTrainError
 from mirror_train.metrics import check_kappa
 
 KINDS = ("lens", "residual", "mlp", "lora_head", "attention")
+OUTSIDE_LOGP = -30.0  # log-prob reported for a token outside a restricted candidate vocabulary (p ≈ 1e-13)
 
 
 @dataclass
@@ -98,7 +99,7 @@ class ProxyHead(nn.Module):
             raise MirrorTrainError(f"unknown proxy head kind {cfg.kind!r}; choose one of {', '.join(KINDS)}")
         self._norm: nn.Module | None = None
         self._target = None
-        self.vocab_ids: torch.Tensor | None = None  # set by `restrict`: the target ids the logits cover
+        self.vocab_ids = None  # set by `restrict`: the target ids the logits cover
         self.ranking: torch.Tensor | None = None  # target ids by training frequency, when the artifact has them
         self._head: nn.Module | None = None
         self._softcap = None
@@ -219,14 +220,41 @@ class ProxyHead(nn.Module):
         """Indices into this head's logits → target ids (the identity unless `restrict`ed)."""
         return index if self.vocab_ids is None else self.vocab_ids.to(index.device)[index]
 
+    @property
+    def vocab_ids(self) -> torch.Tensor | None:
+        return self._vocab_ids
+
+    @vocab_ids.setter
+    def vocab_ids(self, ids: torch.Tensor | None) -> None:
+        """Also builds the target id → logit index lookup once, not at every verification step."""
+        object.__setattr__(self, "_vocab_ids", ids)
+        lookup = None
+        if ids is not None:
+            lookup = torch.full((int(ids.max()) + 1,), -1, dtype=torch.long)
+            lookup[ids] = torch.arange(len(ids))
+        object.__setattr__(self, "_lookup", lookup)
+
     def logit_index(self, target_ids: torch.Tensor) -> torch.Tensor:
         """Target ids → indices into this head's logits, -1 for ids outside a restricted vocabulary."""
-        if self.vocab_ids is None:
+        if self._lookup is None:
             return target_ids
-        lookup = torch.full((int(self.vocab_ids.max()) + 1,), -1, dtype=torch.long)
-        lookup[self.vocab_ids] = torch.arange(len(self.vocab_ids))
+        lookup = self._lookup.to(target_ids.device)
         inside = target_ids < len(lookup)
         return torch.where(inside, lookup[target_ids.clamp(max=len(lookup) - 1)], -1)
+
+    @torch.inference_mode()
+    def window_candidates(
+        self, hidden: torch.Tensor, window: list[int], kappa: int | None = None, cache=None
+    ) -> tuple[list[list[int]], list[list[float]], list[float]]:
+        """What the engine sends for a verification window: at each of its γ+1 positions (hidden (γ+1, H)) the
+        top-κ target ids and their log-probs, and the log-prob of each drafted token of `window` (γ ids;
+        OUTSIDE_LOGP for one a restricted vocabulary lacks)."""
+        kappa = check_kappa(kappa or self.cfg.kappa)
+        logp = torch.log_softmax(self(hidden, cache).float(), dim=-1)  # (γ+1, V')
+        top = logp.topk(kappa, dim=-1)
+        index = self.logit_index(torch.tensor(window, dtype=torch.long, device=logp.device))
+        window_logp = logp[torch.arange(len(window)), index.clamp(min=0)].masked_fill(index < 0, OUTSIDE_LOGP)
+        return self.to_target_ids(top.indices).tolist(), top.values.tolist(), window_logp.tolist()
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Only what this head learned: never the target's borrowed LM head."""
