@@ -30,3 +30,23 @@ def resolve_device(spec: str | torch.device | None) -> torch.device:
     elif device.type not in ("cpu", "cuda", "mps"):
         raise MirrorTrainError(f"unsupported device type {device.type!r} in {spec!r}")
     return device
+
+
+def fast_bf16(device: str | torch.device) -> bool:
+    """Whether bf16 matmuls are fast here: CUDA with bf16 support, or a CPU with AMX tiles (on this project's
+    Xeon a bf16 matmul is ~4x a float32 one; CPUs without AMX emulate bf16 and are slower than float32)."""
+    device = resolve_device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return False
+
+
+def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """ "float32" / "bfloat16", or "auto": bfloat16 where `fast_bf16(device)`, else float32."""
+    if name == "auto":
+        return torch.bfloat16 if fast_bf16(device) else torch.float32
+    if name not in ("float32", "bfloat16"):
+        raise MirrorTrainError(f"dtype must be auto, float32 or bfloat16, got {name!r}")
+    return getattr(torch, name)

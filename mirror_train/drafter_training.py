@@ -37,7 +37,7 @@ from mirror_train.losses import IGNORE_INDEX, lookahead_ce_loss, topk_kl_loss
 from mirror_train.models.drafter import MirrorDrafterForCausalLM, check_compatible, frequent_token_map
 from mirror_train.models.proxy_head import ProxyHeadConfig
 from mirror_train.proxy_training import ProxyDataConfig, ProxyRunConfig, feature_dirs
-from mirror_train.training import LogConfig, OptimConfig
+from mirror_train.training import LogConfig, OptimConfig, TrainConfig
 
 ARTIFACT_KIND = "draft"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # decoder layers only
@@ -72,23 +72,15 @@ class DrafterModelConfig:
 
 
 @dataclass
-class DrafterTrainConfig:
-    batch_size: int = 512  # positions per step (global), packed from whole context windows
-    epochs: float = 3.0
-    max_steps: int | None = None  # overrides epochs
-    max_minutes: float | None = None  # stop (checkpoint + export) after this much training time
-    window: int = 1024  # longest context window a training sequence is cut into
+class DrafterTrainConfig(TrainConfig):
+    """Batches are packed from whole context windows (`window`)."""
+
     kl_weight: float = 1.0  # main stream: KL to the target's top-k distribution
     ce_weight: float = 0.0  # main stream: CE on the target's argmax
     stream_weight: float = 0.1  # α_j of every lookahead stream (the paper's value)
-    eval_every: int = 200
-    save_every: int = 200
-    keep_checkpoints: int = 2
-    seed: int = 0
 
     def validate(self) -> None:
-        if self.batch_size < 1 or self.epochs <= 0 or self.window < 1 or self.eval_every < 1 or self.save_every < 1:
-            raise MirrorTrainError("train: batch_size, window, eval_every, save_every ≥ 1 and epochs > 0")
+        super().validate()
         if min(self.kl_weight, self.ce_weight, self.stream_weight) < 0 or not self.kl_weight + self.ce_weight > 0:
             raise MirrorTrainError("train: loss weights must be ≥ 0, and kl_weight or ce_weight > 0 (the main stream)")
 

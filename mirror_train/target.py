@@ -115,8 +115,21 @@ class Target:
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
     def check_exit_layer(self, exit_layer: int) -> int:
         return check_exit_layer(exit_layer, self.num_layers)
+
+    def cast(self, dtype: torch.dtype) -> Target:
+        """A copy of this target computing in `dtype` (self when it already does): bf16 makes training data
+        several times faster on CPUs with AMX and on GPUs. The engine always serves the target as loaded."""
+        if dtype == self.dtype:
+            return self
+        import copy
+
+        return Target(copy.deepcopy(self.model).to(dtype), self.tokenizer, name_or_path=self.name_or_path)
 
     def signature(self):
         """What an artifact records about this target, and what loading one checks against."""
@@ -255,3 +268,11 @@ class Target:
         """One uncached forward: (hidden_states[0..N] in the 1-based convention, final logits)."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
         return out.hidden_states, out.logits
+
+
+def dtype_record(target: Target) -> dict[str, str]:
+    """What data provenance records about the precision the target ran in: nothing for float32 (the default, and
+    all data made before other precisions existed, which therefore stays valid), else {"dtype": name}."""
+    if target.dtype == torch.float32:
+        return {}
+    return {"dtype": str(target.dtype).removeprefix("torch.")}

@@ -26,6 +26,7 @@ from mirror_train.errors import MirrorTrainError
 log = logging.getLogger(__name__)
 
 _CKPT_PREFIX = "step_"
+MIXED_PRECISION = (None, "no", "bf16", "fp16")
 
 
 @dataclass
@@ -51,6 +52,37 @@ class LogConfig:
         unknown = set(self.report_to) - {"tensorboard", "wandb", "all", "none"}
         if unknown:
             raise MirrorTrainError(f"log.report_to: unknown tracker(s) {sorted(unknown)}; use tensorboard, wandb")
+
+
+@dataclass
+class TrainConfig:
+    """The `train:` settings both recipes share (each recipe's config adds its loss's own)."""
+
+    batch_size: int = 512  # positions per step (global)
+    epochs: float = 3.0
+    max_steps: int | None = None  # overrides epochs
+    max_minutes: float | None = None  # stop (checkpoint + export) after this much training time
+    window: int = 1024  # longest context window a training sequence is cut into (models that read context)
+    eval_every: int = 200
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    seed: int = 0
+    # "bf16" autocasts the forward (AMX on recent Xeons, tensor cores on GPUs; a frozen LM head is cast once);
+    # unset: whatever `accelerate launch` says. Losses and held-out metrics stay in fp32.
+    mixed_precision: str | None = None
+
+    def validate(self) -> None:
+        if self.batch_size < 1 or self.epochs <= 0 or self.window < 1 or self.eval_every < 1 or self.save_every < 1:
+            raise MirrorTrainError("train: batch_size, window, eval_every, save_every ≥ 1 and epochs > 0")
+        if self.max_steps is not None and self.max_steps < 1 or self.max_minutes is not None and self.max_minutes <= 0:
+            raise MirrorTrainError("train: max_steps ≥ 1 and max_minutes > 0 when set")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise MirrorTrainError(
+                f"train.mixed_precision: expected one of no, bf16, fp16 (or unset), got {self.mixed_precision!r}"
+            )
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        return self.max_steps or max(int(self.epochs * steps_per_epoch), 1)
 
 
 def cosine_lr(step: int, progress: float, cfg: OptimConfig) -> float:
@@ -145,14 +177,18 @@ class Checkpoints:
         return json.loads((latest / "trainer_state.json").read_text())
 
 
-def make_accelerator(output_dir: str | os.PathLike, log_cfg: LogConfig, run_config: dict):
-    """An Accelerator with the configured trackers, initialised with the resolved run config."""
+def make_accelerator(
+    output_dir: str | os.PathLike, log_cfg: LogConfig, run_config: dict, mixed_precision: str | None = None
+):
+    """An Accelerator with the configured trackers, initialised with the resolved run config.
+
+    `mixed_precision` None leaves it to `accelerate launch` (its flag or config file); a value overrides that."""
     from accelerate import Accelerator
 
     report = [r for r in log_cfg.report_to if r != "none"]
     if "wandb" in report or "all" in report:
         os.environ.setdefault("WANDB_DIR", str(Path(output_dir)))
-    accelerator = Accelerator(log_with=report or None, project_dir=str(output_dir))
+    accelerator = Accelerator(log_with=report or None, project_dir=str(output_dir), mixed_precision=mixed_precision)
     if accelerator.device.type == "cpu":
         # `accelerate launch` sets OMP_NUM_THREADS=1 even for one process, which halves a 2-core machine's speed:
         # give each process its share of the cores instead.
@@ -190,15 +226,15 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return params
 
 
-def start_run(accelerator, model, optimizer, output_dir, *, total_steps: int, max_minutes, batch_size: int, keep: int):
-    """Prepare model and optimizer for the launch configuration and resume from the newest checkpoint.
-
-    Returns (model, optimizer, checkpoints, step to continue from, budget)."""
-    set_deepspeed_batch(accelerator, batch_size)
+def start_run(accelerator, model, output_dir, train: TrainConfig, optim: OptimConfig, steps_per_epoch: int):
+    """AdamW over the model's trainable parameters, both prepared for the launch configuration, resumed from the
+    newest checkpoint. Returns (model, optimizer, checkpoints, step to continue from, budget)."""
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=optim.lr, weight_decay=optim.weight_decay)
+    set_deepspeed_batch(accelerator, train.batch_size)
     model, optimizer = accelerator.prepare(model, optimizer)
-    checkpoints = Checkpoints(output_dir, keep=keep)
+    checkpoints = Checkpoints(output_dir, keep=train.keep_checkpoints)
     resumed = checkpoints.resume(accelerator)
-    budget = Budget(total_steps, max_minutes, resumed.get("minutes", 0.0))
+    budget = Budget(train.total_steps(steps_per_epoch), train.max_minutes, resumed.get("minutes", 0.0))
     return model, optimizer, checkpoints, resumed["step"], budget
 
 

@@ -36,7 +36,7 @@ from mirror_train.training import (
 
 def main(cfg: DrafterRunConfig) -> None:
     out = Path(cfg.output_dir)
-    accelerator = make_accelerator(out, cfg.log, config_to_dict(cfg))
+    accelerator = make_accelerator(out, cfg.log, config_to_dict(cfg), cfg.train.mixed_precision)
 
     # --- setup: the target, the shared data (main process builds; the others wait), the draft --------------------
     target = Target.load(cfg.target)
@@ -50,23 +50,14 @@ def main(cfg: DrafterRunConfig) -> None:
 
     torch.manual_seed(cfg.train.seed)  # here, not earlier: data generation (when it runs) draws random numbers too
     model = build_draft(cfg.model, target, train)
-    params = trainable_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    total = cfg.train.max_steps or int(cfg.train.epochs * sampler.steps_per_epoch)
+    trainable = sum(p.numel() for p in trainable_parameters(model))
     model, optimizer, checkpoints, step, budget = start_run(
-        accelerator,
-        model,
-        optimizer,
-        out,
-        total_steps=total,
-        max_minutes=cfg.train.max_minutes,
-        batch_size=cfg.train.batch_size,
-        keep=cfg.train.keep_checkpoints,
+        accelerator, model, out, cfg.train, cfg.optim, sampler.steps_per_epoch
     )
     accelerator.print(
-        f"{train.meta['positions']} cached positions, {sampler.steps_per_epoch} steps an epoch, {total} steps of "
-        f"≤{cfg.train.batch_size} positions; {sum(p.numel() for p in params):,} trainable parameters; held-out "
-        f"answer positions: {len(heldout.positions(answers_only=True))}"
+        f"{train.meta['positions']} cached positions, {sampler.steps_per_epoch} steps an epoch, "
+        f"{budget.total_steps} steps of ≤{cfg.train.batch_size} positions; {trainable:,} trainable parameters; "
+        f"held-out answer positions: {len(heldout.positions(answers_only=True))}"
     )
 
     # --- loop ----------------------------------------------------------------------------------------------------

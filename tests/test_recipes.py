@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -74,6 +75,21 @@ def test_proxy_recipe_smoke(proxy_config, tmp_path, tiny_model_dir, kind):
     assert "exported" in proc.stdout
 
 
+def test_proxy_recipe_bf16_data_and_training(proxy_config, tmp_path):
+    """bf16 training data and autocast training: the data records its precision, the held-out data stays float32."""
+    proc = run_recipe(proxy_config, "train.mixed_precision=bf16", "data.dtype=bfloat16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert head_weights(tmp_path / "run")["fc2.weight"].abs().sum() > 0
+    data = tmp_path / "data"
+    assert json.loads((data / "selfdistill" / "provenance.json").read_text())["dtype"] == "bfloat16"
+    metas = {d.name: json.loads((d / "meta.json").read_text()) for d in data.glob("features_*")}
+    assert {name.split("_")[1]: meta.get("dtype") for name, meta in metas.items()} == {
+        "train": "bfloat16",
+        "heldout": None,
+    }
+    assert "dtype" not in json.loads((data / "heldout" / "provenance.json").read_text())
+
+
 def test_proxy_recipe_resumes_after_kill_without_losing_or_repeating_steps(proxy_config, tmp_path):
     """Kill a run after its first checkpoint; resumed to step N it must equal a run that went straight to N."""
     constant_lr = ["optim.warmup_steps=0", "optim.min_lr_ratio=1.0", "train.save_every=5", "train.eval_every=1000000"]
@@ -142,3 +158,14 @@ def test_bad_config_is_one_line(proxy_config):
 def test_shipped_proxy_configs_parse(path):
     assert path.read_text().startswith("# accelerate launch")
     load_config(ProxyRunConfig, path)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("train.mixed_precision=fp8", "train.mixed_precision"), ("data.dtype=float16", "data.dtype")],
+)
+def test_bad_precision_settings_are_refused(override, message):
+    from mirror_train.errors import MirrorTrainError
+
+    with pytest.raises(MirrorTrainError, match=message):
+        load_config(ProxyRunConfig, ROOT / "recipes" / "configs" / "proxy_head_smollm2.yaml", [override])

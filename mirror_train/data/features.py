@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mirror_train.errors import MirrorTrainError
+from mirror_train.target import dtype_record
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ def build_feature_cache(
         "hidden_size": hidden_size,
         "target": target.signature().to_dict(),
         "sources": sources or {},
+        **dtype_record(target),
     }
     meta_file, progress_file = out / "meta.json", out / "progress.json"
     fresh = not meta_file.exists()

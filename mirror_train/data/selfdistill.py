@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from mirror_train.errors import MirrorTrainError
 from mirror_train.generation import encode_chat, generate_batch
 from mirror_train.prompts import Prompt, load_prompts, parse_prompt
+from mirror_train.target import dtype_record
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, tar
     out = Path(out_dir)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    settings = {"target": target.name_or_path, **asdict(cfg)}
+    settings = {"target": target.name_or_path, **asdict(cfg), **dtype_record(target)}
     settings_file = work / "settings.json"
     if settings_file.exists() and json.loads(settings_file.read_text()) != settings:
         raise MirrorTrainError(

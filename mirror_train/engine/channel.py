@@ -35,10 +35,12 @@ class DraftUnavailable(Exception):
 def build_server(spec: dict):
     """A DraftServer from a picklable spec: {"kind": "model", "path", "device", "use_streams"} or
     {"kind": "synthetic", "config": SyntheticDraftConfig fields, "vocab_size"}, plus "branch_budget",
-    "adaptive_budget", "kappa" and "head" (the path of a proxy-head bundle when the head runs on this side)."""
+    "adaptive_budget", "kappa", "dtype" (of the draft and the head here) and "head" (the path of a proxy-head
+    bundle when the head runs on this side)."""
     from mirror_train.engine.drafts import ModelDraft, SyntheticDraft, SyntheticDraftConfig
     from mirror_train.engine.server import DraftServer
 
+    dtype = getattr(torch, spec.get("dtype", "float32"))
     if spec["kind"] == "synthetic":
         backend = SyntheticDraft(SyntheticDraftConfig(**spec["config"]), spec["vocab_size"])
     else:
@@ -46,12 +48,12 @@ def build_server(spec: dict):
 
         import mirror_train.models.drafter  # noqa: F401  (registers the Auto classes)
 
-        model = AutoModelForCausalLM.from_pretrained(spec["path"]).to(spec.get("device", "cpu"))
+        model = AutoModelForCausalLM.from_pretrained(spec["path"], dtype=dtype).to(spec.get("device", "cpu"))
         backend = ModelDraft(model, use_streams=spec.get("use_streams", True))
     head = None
     if spec.get("head"):  # the proxy head runs here: rebuild it from its bundle (engine.py, `_head_bundle`)
         bundle = torch.load(spec["head"], weights_only=False)
-        head = bundle["end"].head(bundle["cfg"], bundle["state"], bundle["vocab_ids"])
+        head = bundle["end"].to(dtype).head(bundle["cfg"], bundle["state"], bundle["vocab_ids"]).to(dtype)
     return DraftServer(backend, spec["branch_budget"], spec["adaptive_budget"], head, spec.get("kappa", 4))
 
 

@@ -37,7 +37,7 @@ from typing import Literal
 
 import torch
 
-from mirror_train.devices import resolve_device
+from mirror_train.devices import resolve_device, resolve_dtype
 from mirror_train.engine.acceptance import accept, target_tokens, truncate
 from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDraft
 from mirror_train.engine.drafts import SyntheticDraftConfig
@@ -72,6 +72,9 @@ class EngineConfig:
     candidate_vocab: int | None = None  # the proxy head scores only this many ids (its artifact's most frequent
     # first, else the lowest ids, which BPE's merge order makes roughly the most frequent); None: all of them
     head_placement: Literal["target", "draft"] = "target"  # where the proxy head runs (module docstring)
+    # What the draft, and a proxy head on the draft's side, compute in. They only propose, so their precision cannot
+    # change the output; "auto": bfloat16 where bf16 matmuls are fast (AMX CPUs, CUDA), else float32.
+    draft_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
     def validate(self) -> None:
         check_kappa(self.kappa)
@@ -98,7 +101,7 @@ class EngineConfig:
             if core is not None and core not in cores:
                 raise MirrorTrainError(f"{name}={core} is not a core this process may use ({sorted(cores)})")
         resolve_device(self.target_device)
-        resolve_device(self.draft_device)
+        resolve_dtype(self.draft_dtype, self.draft_device)
 
 
 @dataclass
@@ -213,7 +216,13 @@ class MirrorEngine:
         from mirror_train.models.drafter import MirrorDrafterForCausalLM, check_compatible
 
         cfg, target = self.config, self.target
-        common = {"branch_budget": cfg.branch_budget, "adaptive_budget": cfg.adaptive_budget, "kappa": cfg.kappa}
+        dtype = str(resolve_dtype(cfg.draft_dtype, cfg.draft_device)).removeprefix("torch.")
+        common = {
+            "branch_budget": cfg.branch_budget,
+            "adaptive_budget": cfg.adaptive_budget,
+            "kappa": cfg.kappa,
+            "dtype": dtype,
+        }
         if cfg.head_placement == "draft":
             common["head"] = self._head_bundle()
         if isinstance(draft, SyntheticDraftConfig):

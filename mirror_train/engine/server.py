@@ -59,7 +59,8 @@ class DraftServer:
             return None, None
         if kind == "hidden":
             start = time.perf_counter()
-            candidates = self.head.window_candidates(torch.as_tensor(msg[1]).float(), self.window, self.kappa)
+            hidden = torch.as_tensor(msg[1]).to(self.head.dtype)
+            candidates = self.head.window_candidates(hidden, self.window, self.kappa)
             deadline = msg[2]
             if deadline is not None:  # the head's time here comes out of the rollout's share of the target's suffix
                 deadline -= (time.perf_counter() - start) * 1000

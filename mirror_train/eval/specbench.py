@@ -54,6 +54,7 @@ class SpecBenchConfig:
     exit_layer: int | None = None
     candidate_vocab: int | None = 16384
     head_placement: str = "draft"
+    draft_dtype: str = "auto"  # the draft's precision, here and as transformers' assistant (EngineConfig)
     placement: str = "process"
     target_core: int | None = 0
     draft_core: int | None = 1
@@ -172,6 +173,7 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
         temperature=cfg.temperature,
         candidate_vocab=cfg.candidate_vocab,
         head_placement=cfg.head_placement,
+        draft_dtype=cfg.draft_dtype,
         placement=cfg.placement,
         target_core=cfg.target_core,
         draft_core=cfg.draft_core,
@@ -180,9 +182,11 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
     engine = MirrorEngine(target, cfg.proxy_head, cfg.draft if uses_draft else None, engine_cfg)
     assistant = None
     if "assisted" in cfg.method_list:
+        from mirror_train.devices import resolve_dtype
         from mirror_train.drafter_training import load_draft
 
-        assistant = load_draft(cfg.draft, target).to_llama()
+        # the same network in the same precision as the engine's draft: only the decoding algorithm differs
+        assistant = load_draft(cfg.draft, target).to_llama().to(resolve_dtype(cfg.draft_dtype, target.device))
     stops = sorted(engine.stops)
 
     def generate(method: str, messages: list[dict]) -> dict:

@@ -68,8 +68,17 @@ class _LMHead(nn.Module):
         super().__init__()
         self.proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         self.proj.weight = nn.Parameter(weight, requires_grad=False)
+        self._cast: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        if isinstance(self.proj, nn.Linear) and torch.is_autocast_enabled(device):
+            # Under autocast the frozen (V, H) matrix would be re-cast at every call, which costs more than the
+            # bf16 matmul saves on a CPU; it never changes, so cast it once. (peft's LoRA wrapper keeps its own path.)
+            dtype = torch.get_autocast_dtype(device)
+            if self._cast is None or self._cast.dtype != dtype or self._cast.device != x.device:
+                self._cast = self.proj.weight.detach().to(dtype)
+            return nn.functional.linear(x.to(dtype), self._cast)
         return self.proj(x)
 
 
@@ -161,6 +170,13 @@ class ProxyHead(nn.Module):
         object.__setattr__(self, "_head", _LMHead(weight))
         self.vocab_ids = ids
         return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the head computes in: the precision of the final norm it borrows (and of its LM head)."""
+        if self._norm is None:
+            raise MirrorTrainError("proxy head is not bound to a target; call head.bind(target) first")
+        return self._norm.weight.dtype
 
     @property
     def lm_head(self) -> nn.Module:
