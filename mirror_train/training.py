@@ -74,7 +74,8 @@ class TrainConfig:
     def validate(self) -> None:
         if self.batch_size < 1 or self.epochs <= 0 or self.window < 1 or self.eval_every < 1 or self.save_every < 1:
             raise MirrorTrainError("train: batch_size, window, eval_every, save_every ≥ 1 and epochs > 0")
-        if self.max_steps is not None and self.max_steps < 1 or self.max_minutes is not None and self.max_minutes <= 0:
+        bad_steps = self.max_steps is not None and self.max_steps < 1
+        if bad_steps or (self.max_minutes is not None and self.max_minutes <= 0):
             raise MirrorTrainError("train: max_steps ≥ 1 and max_minutes > 0 when set")
         if self.mixed_precision not in MIXED_PRECISION:
             raise MirrorTrainError(

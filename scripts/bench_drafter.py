@@ -109,7 +109,6 @@ def main() -> None:
 
     dtypes = ("float32", "bfloat16")
     result["latency_ms"] = {d: latency(target, draft.to(getattr(torch, d))) for d in dtypes}
-    draft.float()
     s = draft.config.num_streams
     print("| tree nodes | " + " | ".join(f"main only ms ({d}) | with streams ms ({d})" for d in dtypes) + " |")
     print("|---" * (1 + 2 * len(dtypes)) + "|")
