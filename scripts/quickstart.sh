@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 mirror-train fetch-testbed
+# the flags only answer accelerate's questions; each recipe's precision is its config's train.mixed_precision
 launch() { accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no "$@"; }
 [ -f outputs/proxy_head_smollm2/export/mirror_config.json ] || \
     launch recipes/proxy_head.py --config recipes/configs/proxy_head_smollm2.yaml
