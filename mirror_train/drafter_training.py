@@ -34,7 +34,12 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from mirror_train.data.features import FeatureCache
 from mirror_train.errors import MirrorTrainError
 from mirror_train.losses import IGNORE_INDEX, lookahead_ce_loss, topk_kl_loss
-from mirror_train.models.drafter import MirrorDrafterForCausalLM, check_compatible, frequent_token_map
+from mirror_train.models.drafter import (
+    MirrorDrafterForCausalLM,
+    check_compatible,
+    frequent_token_map,
+    paired_features,
+)
 from mirror_train.models.proxy_head import ProxyHeadConfig
 from mirror_train.proxy_training import ProxyDataConfig, ProxyRunConfig, feature_dirs
 from mirror_train.training import LogConfig, OptimConfig, TrainConfig
@@ -78,11 +83,16 @@ class DrafterTrainConfig(TrainConfig):
     kl_weight: float = 1.0  # main stream: KL to the target's top-k distribution
     ce_weight: float = 0.0  # main stream: CE on the target's argmax
     stream_weight: float = 0.1  # α_j of every lookahead stream (the paper's value)
+    feature_dropout: float = 0.2  # feature-conditioned drafts: the share of positions trained without their target
+    # state, as the tokens a rollout drafts past the first have none (then one missing state in a row is 20% of
+    # positions, two 4%)
 
     def validate(self) -> None:
         super().validate()
         if min(self.kl_weight, self.ce_weight, self.stream_weight) < 0 or not self.kl_weight + self.ce_weight > 0:
             raise MirrorTrainError("train: loss weights must be ≥ 0, and kl_weight or ce_weight > 0 (the main stream)")
+        if not 0 <= self.feature_dropout < 1:
+            raise MirrorTrainError(f"train.feature_dropout must be in [0, 1), got {self.feature_dropout}")
 
 
 @dataclass
@@ -185,13 +195,17 @@ def drafter_loss(model, batch: dict[str, torch.Tensor], cfg: DrafterTrainConfig)
 
     model: the draft, possibly wrapped (accelerate, peft). batch, as `FeatureCache.windows` gives it: token_ids
     (B, T), mask (B, T) 1 = real position, topk_ids / topk_logp (B, T, k) the target's distribution over the token
-    after each position, hidden (B, T, H_target) (read only by a feature-conditioned draft). Stream j at t is labelled
-    by topk_ids[t+j, 0]: padding and labels past the window's end are ignored, as is an argmax outside a reduced
+    after each position, hidden (B, T, H_target) (read only by a feature-conditioned draft, paired: the input at t
+    reads the state of t−1, and a `feature_dropout` share of positions reads none). Stream j at t is labelled by
+    topk_ids[t+j, 0]: padding and labels past the window's end are ignored, as is an argmax outside a reduced
     vocabulary.
     """
     draft = _draft_of(model)
     real = batch["mask"].bool()  # (B, T)
-    hidden = batch["hidden"] if draft.fusion is not None else None
+    hidden = None
+    if draft.fusion is not None:
+        withheld = torch.rand(real.shape, device=real.device) < cfg.feature_dropout if cfg.feature_dropout else None
+        hidden = paired_features(batch["hidden"], withheld)
     out = model(batch["token_ids"], attention_mask=batch["mask"], target_hidden=hidden)
     ids = draft.target_to_draft(batch["topk_ids"])  # (B, T, k) draft ids, -100 outside the draft vocabulary
     argmax = ids[..., 0].masked_fill(~real, IGNORE_INDEX)  # (B, T): the target's choice of the token after t
@@ -227,8 +241,17 @@ def evaluate_drafter(model, cache: FeatureCache) -> dict[str, float]:
 
     top1: P(main argmax at t = the target's argmax at t); stream_j: P(stream j's argmax at t = the target's argmax
     at t+j), over answer positions t whose t+j is in the same sequence; positions: answer positions counted.
+    A feature-conditioned draft reads every paired target state (as the first token a window drafts does), and
+    also reports top1_without_states: the same with none (a floor for the tokens a rollout drafts later).
     """
     draft = _draft_of(model)
+    metrics = _agreement(model, draft, cache, with_states=True)
+    if draft.fusion is not None:
+        metrics["top1_without_states"] = _agreement(model, draft, cache, with_states=False)["top1"]
+    return metrics
+
+
+def _agreement(model, draft, cache: FeatureCache, with_states: bool) -> dict[str, float]:
     num = 1 + draft.config.num_streams
     hits, counts = torch.zeros(num), torch.zeros(num)
     for s in range(cache.num_sequences):
@@ -237,7 +260,8 @@ def evaluate_drafter(model, cache: FeatureCache) -> dict[str, float]:
         if not answers.any():
             continue
         batch = {k: v.to(draft.device) for k, v in cache.windows([(lo, hi)]).items()}
-        out = model(batch["token_ids"], target_hidden=batch["hidden"] if draft.fusion is not None else None)
+        states = paired_features(batch["hidden"]) if draft.fusion is not None and with_states else None
+        out = model(batch["token_ids"], target_hidden=states)
         guesses = [out.logits[0]] + [out.stream_logits[0, :, j] for j in range(num - 1)]  # each (T, V_draft)
         target_argmax = batch["topk_ids"][0, :, 0].cpu()  # (T,)
         for j, logits in enumerate(guesses):

@@ -14,6 +14,7 @@ Data (each stage resumes or is skipped when already done, under `data.dir`):
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -92,9 +93,35 @@ def feature_dirs(cfg: ProxyRunConfig) -> tuple[Path, Path]:
 
 
 def prepare_data(cfg: ProxyRunConfig, target) -> tuple[Path, Path]:
-    """Run (or resume, or skip) every data stage; return the train and held-out feature cache directories."""
+    """Run (or resume, or skip) every data stage; return the train and held-out feature cache directories.
+
+    Runs that share a data directory (the proxy head and the draft, or two drafts launched side by side) take turns:
+    the first builds what is missing, the others wait on a lock and then find it done.
+    """
+    root = Path(cfg.data.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    with exclusive(root / ".lock"):
+        return _prepare_data(cfg, target, root)
+
+
+@contextmanager
+def exclusive(path: Path):
+    """An advisory lock on `path` held for the block (POSIX `flock`; elsewhere no lock)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: concurrent runs on one data directory are the user's to avoid
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _prepare_data(cfg: ProxyRunConfig, target, root: Path) -> tuple[Path, Path]:
     data = cfg.data
-    root = Path(data.dir)
     layers = sorted({cfg.head.exit_layer, *data.extra_exit_layers})
     features = FeatureCacheConfig(exit_layers=layers, top_k=data.top_k, max_tokens_per_batch=data.max_tokens_per_batch)
     train_dir, heldout_dir = feature_dirs(cfg)

@@ -236,11 +236,14 @@ class Target:
         return hidden
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, cache, exit_layer: int) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, cache, exit_layer: int, on_exit=None) -> torch.Tensor:
         """Fill `cache` with every layer's K/V for `input_ids` (B, T) without the LM head (a prompt's logits are
-        never read); returns the ℓe states (B, T, H), for a proxy head with a cache of its own."""
+        never read); returns the ℓe states (B, T, H), for a proxy head with a cache of its own. `on_exit(states)`,
+        if given, is called with them between the halves (to send them on while the upper layers run)."""
         state = self.prefix(input_ids, cache, exit_layer)
         exit_hidden = state.hidden
+        if on_exit is not None:
+            on_exit(exit_hidden)
         self.run_layers(state, self.decoder.layers, range(exit_layer, self.num_layers))
         return exit_hidden
 

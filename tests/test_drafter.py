@@ -14,6 +14,7 @@ from mirror_train.models.drafter import (
     check_compatible,
     frequent_token_map,
     keep_cache_path,
+    paired_features,
 )
 from mirror_train.target import Target
 from tests.conftest import tiny_model, tiny_tokenizer
@@ -307,6 +308,17 @@ def test_feature_fusion_starts_as_the_token_only_model(llama):
     torch.testing.assert_close(without.logits, reference.logits, atol=1e-5, rtol=0)
     with pytest.raises(MirrorTrainError, match="feature_conditioning='none'"):
         plain(x, target_hidden=features)
+
+
+def test_paired_features_read_the_state_before_each_position():
+    """EAGLE's pairing: the input at t reads the state of t−1 (none at t = 0); withheld positions read none."""
+    hidden = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)
+    paired = paired_features(hidden)
+    assert torch.equal(paired[:, 0], torch.zeros(2, 3)) and torch.equal(paired[:, 1:], hidden[:, :-1])
+    withheld = torch.tensor([[False, True, False, False], [False, False, False, True]])
+    dropped = paired_features(hidden, withheld)
+    assert torch.equal(dropped[0, 1], torch.zeros(3)) and torch.equal(dropped[1, 3], torch.zeros(3))
+    assert torch.equal(dropped[0, 2], hidden[0, 1])
 
 
 def test_rollout_reads_the_roots_target_features(llama):

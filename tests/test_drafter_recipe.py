@@ -202,6 +202,12 @@ def test_recipe_trains_and_exports_a_draft_that_loads(straight_run, tiny_model_d
     assert (straight_run / "config.yaml").exists() and list(straight_run.rglob("events.out.tfevents*"))
 
 
+@pytest.mark.parametrize("dropout", [-0.1, 1.0])
+def test_feature_dropout_out_of_range_is_refused(dropout):
+    with pytest.raises(MirrorTrainError, match="feature_dropout"):
+        DrafterTrainConfig(feature_dropout=dropout).validate()
+
+
 def test_load_draft_refuses_another_target(straight_run):
     deeper = Target(tiny_model("llama", layers=6, vocab=128), tiny_tokenizer(), "deeper")
     with pytest.raises(MirrorTrainError, match="num_layers: 4 vs 6"):
@@ -242,6 +248,8 @@ def test_recipe_with_lora_reduced_vocabulary_and_features(drafter_config, straig
     assert len(draft.d2t) == 40 and draft.fusion is not None and draft.config.target_exit_layer == 2
     assert not any("lora" in name for name in draft.state_dict())
     assert all(p.dtype == torch.float32 for p in draft.parameters())
+    card = (out / "export" / "README.md").read_text()
+    assert "top1_without_states" in card  # a conditioned draft is also scored without the target's states
 
 
 # --- set-up modes, in process ----------------------------------------------------------------------------------------

@@ -226,6 +226,64 @@ def test_where_the_proxy_head_runs_and_what_it_scores_never_change_the_output(
             assert any(s.branches for s in g.steps)  # branches were rolled out from the head's candidates
 
 
+@pytest.fixture(scope="module")
+def conditioned_draft(target):
+    """A draft that reads the target's ℓe=2 states, with a fusion far from the identity (so that they matter)."""
+    draft = MirrorDrafterForCausalLM.from_target(
+        target, 2, 2, 1, feature_conditioning="target_hidden", target_exit_layer=2
+    )
+    torch.manual_seed(0)
+    with torch.no_grad():
+        draft.fusion.proj.weight[:, target.hidden_size :].normal_(std=0.5)
+    return draft
+
+
+def paired_cache(draft, target, tokens: list[int]):
+    """What a draft's cache over tokens[:-1] holds, fed at once with each token's pair (the state before it)."""
+    from mirror_train.models.drafter import paired_features
+
+    states, _ = target.hidden_states(torch.tensor([tokens[:-1]]))
+    cache = draft.new_cache()
+    with torch.no_grad():
+        draft(torch.tensor([tokens[:-1]]), cache=cache, num_streams=0, target_hidden=paired_features(states[2]))
+    return cache
+
+
+@pytest.mark.parametrize(
+    "method,head_placement,use_streams",
+    [("sd", "target", True), ("mirror", "target", True), ("mirror", "draft", False)],
+)
+def test_a_feature_conditioned_draft_is_lossless_and_reads_the_true_paired_states(
+    target, conditioned_draft, prompts, references, method, head_placement, use_streams
+):
+    """Every state crosses at the right step: after a generation, the draft's cache over the committed tokens equals
+    a fresh forward over them with the target's own ℓe states, paired (so nothing was fed a wrong or missing one)."""
+    cfg = EngineConfig(
+        kappa=4, gamma=3, branch_budget=6, placement="local", head_placement=head_placement, use_streams=use_streams
+    )
+    cfg.draft_dtype = "float32"
+    with MirrorEngine(target, proxy_head(target, "mlp"), conditioned_draft, cfg) as engine:
+        assert engine.conditioned
+        for prompt, ref in zip(prompts, references):
+            g = engine.generate(prompt, MAX_NEW, method=method, stop=[])
+            assert g.tokens == ref, prompt
+            server = engine.draft.server
+            committed = server.cached
+            # (the last step's verdict is never sent: the generation ended there)
+            assert server.tokens == (prompt + ref)[: len(server.tokens)]
+            assert len(server.states) == len(server.tokens) - 1
+            expected = paired_cache(conditioned_draft, target, server.tokens[: committed + 1])
+            for got, want in zip(server.backend.cache.layers, expected.layers):
+                torch.testing.assert_close(got.keys[:, :, :committed], want.keys, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(got.values[:, :, :committed], want.values, atol=1e-4, rtol=1e-4)
+
+
+def test_a_feature_conditioned_draft_must_read_the_heads_exit_layer(target, conditioned_draft):
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", exit_layer=1)
+    with pytest.raises(MirrorTrainError, match="layer-2 states .* ℓe=1"):
+        MirrorEngine(target, None, conditioned_draft, cfg)
+
+
 @pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
 def test_the_drafts_precision_never_changes_the_output(target, draft, prompts, references, draft_dtype):
     """The draft and a draft-side head only propose: in bf16 they propose differently, never output differently."""

@@ -95,7 +95,8 @@ def truncate_left(ids: list[int], limit: int) -> tuple[list[int], bool]:
     return (ids[-limit:], True) if len(ids) > limit else (ids, False)
 
 
-def _read_rows(path: Path) -> list[dict]:
+def _read_rows(path: Path) -> tuple[list[dict], bool]:
+    """The intact rows of a work file, and whether a torn tail followed them."""
     rows = []
     if path.exists():
         with open(path, encoding="utf-8") as f:
@@ -105,8 +106,8 @@ def _read_rows(path: Path) -> list[dict]:
                 except json.JSONDecodeError:
                     # a line cut by a kill mid-write: everything before it is intact, and it will be redone
                     log.warning("%s:%d is incomplete; dropping it and what follows", path, lineno)
-                    break
-    return rows
+                    return rows, True
+    return rows, False
 
 
 def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, target) -> Path:
@@ -127,10 +128,11 @@ def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, tar
 
     prompts = read_prompt_source(cfg.prompts, cfg.split, cfg.num_prompts, cfg.seed)
     rows_file = work / "rows.jsonl"
-    rows = _read_rows(rows_file)
+    rows, torn = _read_rows(rows_file)
     done = {(r["id"], r["turn"]): r for r in rows}
-    with open(rows_file, "w", encoding="utf-8") as f:  # rewrite without a torn tail
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+    if torn:  # rewrite without the torn tail (only then: a finished stage leaves its files untouched)
+        with open(rows_file, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
 
     started = time.perf_counter()
     truncated = generated = 0

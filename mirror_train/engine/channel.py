@@ -177,7 +177,10 @@ class LocalDraft:
         self._reply = None
 
     def send(self, msg: tuple) -> None:
-        reply, after = self.server.handle(msg)
+        # As in a worker: the server's tensors must not become inference tensors when a message is sent from
+        # inside the target's inference mode (the prompt's states go out in the middle of its prefill).
+        with torch.inference_mode(False):
+            reply, after = self.server.handle(msg)
         if after is not None:
             after()
         self._reply = reply

@@ -1,9 +1,11 @@
 """Draft backends the draft server drives: the trained draft model, and a synthetic draft for measuring the engine.
 
 Both keep the committed context in a cache of their own and answer the same three calls:
-    reset(prompt, reference)          a new sequence: prefill all of the prompt but its last token
-    rollout(spine, branches, γ)       γ tokens per branch (see `MirrorDrafterForCausalLM.rollout_tree`)
-    keep(n)                           commit the first n spine nodes of the last rollout, drop every other node
+    reset(prompt, reference, features)      a new sequence: prefill all of the prompt but its last token
+    rollout(spine, branches, γ, features)   γ tokens per branch (see `MirrorDrafterForCausalLM.rollout_tree`)
+    keep(n)                                 commit the first n spine nodes of the last rollout, drop every other node
+`features` are the target states the fed tokens read (a feature-conditioned draft; others ignore them), one row per
+fed token, already paired by the server.
 """
 
 from __future__ import annotations
@@ -26,20 +28,31 @@ class ModelDraft:
         self.model = model.eval()
         self.use_streams = use_streams
         self.num_streams = model.config.num_streams if use_streams else 0
+        self.conditioned = model.fusion is not None
         self.cache = None
 
     @torch.no_grad()
-    def reset(self, prompt: Sequence[int], reference: Sequence[int] | None = None) -> None:
+    def reset(self, prompt: Sequence[int], reference: Sequence[int] | None = None, features=None) -> None:
         self.cache = self.model.new_cache()
         if len(prompt) > 1:
-            ids = torch.tensor([list(prompt[:-1])], device=self.model.device)
-            last = torch.tensor([ids.shape[1] - 1], device=self.model.device)
-            self.model(ids, cache=self.cache, num_streams=0, logits_index=last)  # only the K/V are wanted
+            device = self.model.device
+            ids = torch.tensor([list(prompt[:-1])], device=device)
+            last = torch.tensor([ids.shape[1] - 1], device=device)
+            states = self._features(features)
+            states = None if states is None else states.unsqueeze(0)
+            self.model(ids, cache=self.cache, num_streams=0, logits_index=last, target_hidden=states)  # K/V only
 
-    def rollout(self, spine: Sequence[int], branches: Sequence[tuple[int, int | None]], gamma: int):
+    def rollout(self, spine: Sequence[int], branches: Sequence[tuple[int, int | None]], gamma: int, features=None):
         self.committed = self.cache.get_seq_length()  # every rollout follows a `keep` (or `reset`)
-        results = self.model.rollout_tree(self.cache, spine, branches, gamma, use_streams=self.use_streams)
+        results = self.model.rollout_tree(
+            self.cache, spine, branches, gamma, use_streams=self.use_streams, features=self._features(features)
+        )
         return [r.tokens for r in results], results[0].num_forwards
+
+    def _features(self, features) -> torch.Tensor | None:
+        if not self.conditioned or features is None:
+            return None
+        return torch.as_tensor(features).to(self.model.device, self.model.dtype)
 
     def keep(self, n: int) -> None:
         from mirror_train.models.drafter import keep_cache_path
@@ -82,14 +95,14 @@ class SyntheticDraft:
         self.context: list[int] = []  # the committed tokens it has "cached"
         self.spine: list[int] = []
 
-    def reset(self, prompt: Sequence[int], reference: Sequence[int] | None = None) -> None:
+    def reset(self, prompt: Sequence[int], reference: Sequence[int] | None = None, features=None) -> None:
         if reference is None:
             raise MirrorTrainError("the synthetic draft needs the target's reference continuation of each prompt")
         self.reference = list(prompt) + list(reference)
         self.context = list(prompt[:-1])
         self.spine = []
 
-    def rollout(self, spine: Sequence[int], branches: Sequence[tuple[int, int | None]], gamma: int):
+    def rollout(self, spine: Sequence[int], branches: Sequence[tuple[int, int | None]], gamma: int, features=None):
         passes = math.ceil(gamma / (1 + self.num_streams))
         nodes = len(spine) + sum(token is not None for _, token in branches)
         start = time.perf_counter()

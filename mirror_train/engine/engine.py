@@ -187,6 +187,7 @@ class MirrorEngine:
             self.head.restrict(top_ranked(ranking, cfg.candidate_vocab, target.vocab_size))
         self.stops = set(stop_token_ids(target.tokenizer, target.config)) if target.tokenizer is not None else set()
         self._tmp = tempfile.TemporaryDirectory(prefix="mirror-engine-")  # what the worker loads: draft, head bundle
+        self.conditioned = False  # the draft reads the target's ℓe states, which then cross with every step
         self.spec = self._draft_spec(draft) if draft is not None else None
         self.draft = None  # the channel, once started
         self.channel_ms = 0.0
@@ -245,11 +246,13 @@ class MirrorEngine:
                 raise MirrorTrainError(f"draft {path} has {dc.vocab_size} ids, the target {target.vocab_size}")
         from transformers import AutoConfig
 
-        if getattr(AutoConfig.from_pretrained(path), "feature_conditioning", "none") != "none":
+        dc = AutoConfig.from_pretrained(path)
+        if getattr(dc, "feature_conditioning", "none") != "none" and dc.target_exit_layer != self.exit_layer:
             raise MirrorTrainError(
-                "the engine serves token-only drafts; a feature-conditioned draft would need the target's ℓe states of "
-                "tokens the target has not seen yet during a rollout"
+                f"the draft reads the target's layer-{dc.target_exit_layer} states and the proxy head splits the "
+                f"target at ℓe={self.exit_layer}: the engine computes one ℓe, so both must read the same layer"
             )
+        self.conditioned = getattr(dc, "feature_conditioning", "none") != "none"
         return {"kind": "model", "path": path, "device": cfg.draft_device, "use_streams": cfg.use_streams, **common}
 
     def _head_bundle(self) -> str:
@@ -390,18 +393,32 @@ class MirrorEngine:
         device = target.device
         with _pinned(cfg.target_core if cfg.placement != "local" else None, cfg.threads):
             use_draft = method != "ar" and self.draft is not None
-            if use_draft:
+            conditioned = use_draft and self.conditioned
+            ref = list(reference) if reference is not None else None
+
+            def start_draft(prompt_states: torch.Tensor | None) -> bool:
                 try:
-                    self.draft.send(("start", ids, cfg.gamma, list(reference) if reference is not None else None))
+                    self.draft.send(("start", ids, cfg.gamma, ref, _wire(prompt_states)))
                     self._awaiting = True
+                    return True
                 except DraftUnavailable as e:
                     self._fault(e)
-                    use_draft = False
+                    return False
+
+            if use_draft and not conditioned:  # the draft prefills while the target does
+                use_draft = start_draft(None)
             cache, head_cache = target.new_cache(), head.new_cache()
+            hidden = torch.zeros(1, 0, target.hidden_size, device=device)  # the prompt's ℓe states but the last
             if len(ids) > 1:
-                hidden = target.prefill(torch.tensor([ids[:-1]], device=device), cache, self.exit_layer)
+                # A conditioned draft needs the prompt's states: they go as soon as the prefix has them.
+                on_exit = (lambda states: start_draft(states[0])) if conditioned else None
+                hidden = target.prefill(torch.tensor([ids[:-1]], device=device), cache, self.exit_layer, on_exit)
                 if head_cache is not None:
                     head.adapt(hidden, head_cache)  # the attention head's own cache over the prompt
+            elif conditioned:
+                use_draft = start_draft(hidden[0])
+            if conditioned and not self._awaiting:  # the start message could not be sent
+                use_draft = False
             window: list[int] = []
             if use_draft:
                 try:
@@ -421,9 +438,10 @@ class MirrorEngine:
                 if method == "mirror" and use_draft and window:
                     if cfg.head_placement == "target":
                         candidates = head.window_candidates(state.hidden[0], window, cfg.kappa, head_cache)
-                        msg = ("branches", *candidates, self._suffix_ms)
+                        states = _wire(state.hidden[0]) if self.conditioned else None
+                        msg = ("branches", *candidates, self._suffix_ms, states)
                     else:  # the ℓe states cross instead: (γ+1)·H floats
-                        msg = ("hidden", state.hidden[0].float().cpu().numpy(), self._suffix_ms)
+                        msg = ("hidden", _wire(state.hidden[0]), self._suffix_ms)
                     t2 = time.perf_counter()
                     try:
                         self.draft.send(msg)
@@ -445,8 +463,10 @@ class MirrorEngine:
                 t5 = time.perf_counter()
                 info, next_window = {}, []
                 if use_draft and not done:
+                    # A conditioned draft that got no branches message this step gets the committed states here.
+                    states = _wire(state.hidden[0, : accepted + 1]) if self.conditioned and not asked else None
                     try:
-                        self.draft.send(("verdict", accepted, correction))
+                        self.draft.send(("verdict", accepted, correction, states))
                         self._awaiting = True
                         _, next_window, info = self.draft.recv(cfg.timeout_s)
                         self._awaiting = False
@@ -487,6 +507,11 @@ class MirrorEngine:
                 if done:
                     return
                 pending, window = correction, next_window
+
+
+def _wire(states: torch.Tensor | None):
+    """ℓe states as they cross the channel: float32 numpy (a few KB a step; the prompt's once)."""
+    return None if states is None else states.float().cpu().numpy()
 
 
 @contextmanager

@@ -1,18 +1,27 @@
 """The draft side of the engine: a message handler around a draft backend, the same in a worker process, in a
 torch.distributed peer or in-process.
 
-Messages (tuples; only token ids, log-probs and a few numbers cross):
-    ("start", prompt, γ, reference)     → ("window", tokens, info)    prefill, then roll out the first window
-    ("branches", cand_ids, cand_logp, window_logp, deadline_ms)       rank and roll out branches; no reply
-    ("hidden", ℓe states, deadline_ms)                                the same, the proxy head running here
-    ("verdict", A, c*)                  → ("window", tokens, info)    commit; the next window: the rolled-out
-                                                                        branch (A, c*) if there is one, else a
-                                                                        serial rollout (the fallback)
-    ("ping",)                           → ("pong",)                   the channel's round trip
-    ("stop",)                                                         exit the worker loop
+Messages (tuples; only token ids, log-probs and a few numbers cross, and for a feature-conditioned draft the
+target's ℓe states of the positions it just ran):
+    ("start", prompt, γ, reference, states)   → ("window", tokens, info)    prefill, then roll out the first window
+    ("branches", cand_ids, cand_logp, window_logp, deadline_ms, states)     rank and roll out branches; no reply
+    ("hidden", ℓe states, deadline_ms)                                      the same, the proxy head running here
+    ("verdict", A, c*, states)                → ("window", tokens, info)    commit; the next window: the rolled-out
+                                                                              branch (A, c*) if there is one, else a
+                                                                              serial rollout (the fallback)
+    ("ping",)                                 → ("pong",)                   the channel's round trip
+    ("stop",)                                                               exit the worker loop
+`states` is None for a token-only draft. At "start" they are the prompt's but its last token's; with "branches"
+(or "hidden") those of the window [the newest committed token, d_1..d_γ]; with a verdict, when no branches message
+brought them this step, those of the newest committed token and the accepted d_1..d_A.
 
 Bookkeeping: `tokens` are the committed tokens; the backend's cache holds the first `cached` of them (always all
 but at least the last one, whose logits a rollout reads). A rollout's spine is tokens[cached:] + the window.
+A feature-conditioned draft reads at each token the state of the token before it (EAGLE's pairing,
+`paired_features`): `states` holds the state of every committed token but the last (the target has not run it
+yet), so every committed token, the correction c* included, can be fed with its pair, and so can the window and
+the branch roots once the target has run its prefix over the window. The cache keeps only nodes fed that way;
+tokens the draft rolls out itself read no state and are dropped from its cache after the step.
 """
 
 from __future__ import annotations
@@ -48,6 +57,9 @@ class DraftServer:
         self.rolled_spine = 0  # pending committed tokens at the head of the last branch rollout's spine (0: none)
         self.branch_ms = 0.0
         self.num_branches = 0
+        self.conditioned = getattr(backend, "conditioned", False)
+        self.states = _States()  # ℓe states of tokens[:-1] (feature-conditioned drafts only)
+        self.window_states: torch.Tensor | None = None  # this step's: the newest committed token, then the window
 
     def handle(self, msg: tuple):
         """Handle one message: returns (reply or None, work to do after the reply is sent or None)."""
@@ -59,12 +71,12 @@ class DraftServer:
             return None, None
         if kind == "hidden":
             start = time.perf_counter()
-            hidden = torch.as_tensor(msg[1]).to(self.head.dtype)
-            candidates = self.head.window_candidates(hidden, self.window, self.kappa)
+            hidden = torch.as_tensor(msg[1])
+            candidates = self.head.window_candidates(hidden.to(self.head.dtype), self.window, self.kappa)
             deadline = msg[2]
             if deadline is not None:  # the head's time here comes out of the rollout's share of the target's suffix
                 deadline -= (time.perf_counter() - start) * 1000
-            self._branches(*candidates, deadline)
+            self._branches(*candidates, deadline, hidden)
             return None, None
         if kind == "verdict":
             return self._verdict(*msg[1:])
@@ -73,10 +85,14 @@ class DraftServer:
         raise ValueError(f"unknown message {kind!r}")
 
     # --- messages --------------------------------------------------------------------------------------------
-    def _start(self, prompt, gamma, reference=None):
+    def _start(self, prompt, gamma, reference=None, states=None):
         self.gamma = int(gamma)
         self.tokens = list(prompt)
-        self.backend.reset(self.tokens, reference)
+        self.states = _States()
+        self.window_states = None
+        if self.conditioned:
+            self.states.append(_tensor(states, len(self.tokens) - 1, "the prompt"))
+        self.backend.reset(self.tokens, reference, self._paired(0, len(self.tokens) - 1))
         self.cached = len(self.tokens) - 1
         self.rolled, self.rolled_spine = {}, 0
         self.window_p = self.cands = None  # a sequence that ended mid-step leaves no verdict to learn from
@@ -84,7 +100,9 @@ class DraftServer:
             self._calibrate()
         return self._fallback({"reused": False, "branches": 0, "branch_ms": 0.0})
 
-    def _branches(self, cand_ids, cand_logp, window_logp, deadline_ms):
+    def _branches(self, cand_ids, cand_logp, window_logp, deadline_ms, states=None):
+        if self.conditioned:
+            self.window_states = _tensor(states, 1 + len(self.window), "the window")
         budget = fit_budget(self.samples, deadline_ms, self.branch_budget) if self.adaptive_budget else None
         self.window_p = [math.exp(lp) for lp in window_logp]
         self.cands = cand_ids
@@ -92,16 +110,28 @@ class DraftServer:
         chosen = rank_branches(self.window, cand_ids, cand_logp, window_logp, accept_prob, budget or self.branch_budget)
         pending = len(self.tokens) - self.cached
         spine = self.tokens[self.cached :] + self.window
+        branches = [(pending - 1 + r, c) for r, c, _ in chosen]
+        features = None
+        if self.conditioned:  # spine nodes, then each branch's token: paired with the state of the node before
+            roots = [self.cached + anchor for anchor, _ in branches]
+            features = torch.cat([self._paired(self.cached, len(spine)), self._rows(roots)])
         start = time.perf_counter()
-        drafted, _ = self.backend.rollout(spine, [(pending - 1 + r, c) for r, c, _ in chosen], self.gamma)
+        drafted, _ = self.backend.rollout(spine, branches, self.gamma, features)
         self.branch_ms = (time.perf_counter() - start) * 1000
         self.samples.append((len(chosen), self.branch_ms))
         self.rolled = {(r, c): tokens for (r, c, _), tokens in zip(chosen, drafted, strict=True)}
         self.rolled_spine = pending
         self.num_branches = len(chosen)
 
-    def _verdict(self, accepted, correction):
+    def _verdict(self, accepted, correction, states=None):
         accepted, correction = int(accepted), int(correction)
+        if self.conditioned:  # the states of the newest committed token and of d_1..d_A become committed ones
+            if states is not None:
+                self.window_states = _tensor(states, 1 + accepted, "the verdict")
+            if self.window_states is None or len(self.window_states) < 1 + accepted:
+                raise ValueError("a feature-conditioned draft needs the window's target states with each step")
+            self.states.append(self.window_states[: 1 + accepted])
+            self.window_states = None
         self.tokens += self.window[:accepted] + [correction]
         info = {"branches": self.num_branches, "branch_ms": self.branch_ms if self.rolled_spine else 0.0}
         if self.window_p is not None:  # learn the acceptance rate; report the candidates where the window stopped
@@ -126,8 +156,9 @@ class DraftServer:
     def _fallback(self, info: dict):
         """Roll out the next window serially from the committed context; reply first, prune the cache after."""
         spine = self.tokens[self.cached :]
+        features = self._paired(self.cached, len(spine)) if self.conditioned else None
         start = time.perf_counter()
-        drafted, forwards = self.backend.rollout(spine, [(len(spine) - 1, None)], self.gamma)
+        drafted, forwards = self.backend.rollout(spine, [(len(spine) - 1, None)], self.gamma, features)
         self.window = drafted[0]
         info = info | {"fallback_ms": (time.perf_counter() - start) * 1000, "forwards": forwards}
         return ("window", self.window, info), lambda: self._keep(len(spine) - 1)
@@ -140,3 +171,61 @@ class DraftServer:
             self.backend.rollout([last], [(0, last)] * n, self.gamma)
             self.samples.append((n, (time.perf_counter() - start) * 1000))
             self.backend.keep(0)
+
+    # --- feature conditioning --------------------------------------------------------------------------------
+    def _rows(self, indices) -> torch.Tensor:
+        """The states of tokens `indices` (committed ones, then this step's window after them); zeros for -1."""
+        committed = len(self.states)
+        rows = []
+        for i in indices:
+            if i < 0:
+                rows.append(torch.zeros(self.states.width or self.window_states.shape[1]))
+            elif i < committed:
+                rows.append(self.states.row(i))
+            else:
+                rows.append(self.window_states[i - committed])
+        return torch.stack(rows) if rows else torch.zeros(0, self.states.width or 0)
+
+    def _paired(self, first: int, n: int) -> torch.Tensor | None:
+        """What tokens first..first+n-1 read: the states of the tokens before them (None: a token-only draft)."""
+        if not self.conditioned:
+            return None
+        return self._rows(range(first - 1, first + n - 1))
+
+
+class _States:
+    """A growing (n, H) float32 table of committed tokens' target states, appended to every step."""
+
+    def __init__(self):
+        self.data: torch.Tensor | None = None
+        self.n = 0
+
+    @property
+    def width(self) -> int | None:
+        return None if self.data is None else self.data.shape[1]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def append(self, rows: torch.Tensor) -> None:
+        if self.data is None:
+            self.data = torch.zeros(max(2 * len(rows), 64), rows.shape[1])
+        if self.n + len(rows) > len(self.data):  # double: appends stay amortised O(rows)
+            grown = torch.zeros(2 * (self.n + len(rows)), self.data.shape[1])
+            grown[: self.n] = self.data[: self.n]
+            self.data = grown
+        self.data[self.n : self.n + len(rows)] = rows
+        self.n += len(rows)
+
+    def row(self, i: int) -> torch.Tensor:
+        return self.data[i]
+
+
+def _tensor(states, rows: int, what: str) -> torch.Tensor:
+    """`states` as a float32 (rows, H) tensor, or a clear error (a feature-conditioned draft cannot do without)."""
+    if states is None:
+        raise ValueError(f"a feature-conditioned draft needs the target's states of {what}; none came")
+    states = torch.as_tensor(states, dtype=torch.float32)
+    if states.dim() != 2 or states.shape[0] < rows:
+        raise ValueError(f"the target's states of {what}: expected ({rows}, H), got {tuple(states.shape)}")
+    return states[:rows] if states.shape[0] > rows else states

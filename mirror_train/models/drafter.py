@@ -12,9 +12,14 @@ Layout (parameter names follow Llama's, so a target's layers load unchanged):
 
 Decisions the papers leave open:
 - Stream RoPE position = its anchor position t (see multi_stream_attention.py).
-- Feature conditioning reads the target's layer-ℓe state of each *input* position; a position without one (a token
-  the draft produced itself during a rollout) gets a zero feature, which rms maps to zero, so W sees [emb ; 0]. The
-  fusion starts as the identity on the embedding, so an untrained fusion is exactly the token-only model.
+- Feature conditioning fuses each input position with one target layer-ℓe state; which state is the caller's
+  convention, and everything here uses EAGLE's pairing (`paired_features`): the input at t reads the state of t−1.
+  The target computes the state of a token only when it verifies it, so the newest committed token (the
+  correction c*) has no state of its own yet, but its predecessor's is known: paired, the first drafted token of
+  every window reads a real target state. A position without one (a token the draft produced itself during a
+  rollout) gets a zero feature, which rms maps to zero, so W sees [emb ; 0]; training withholds a share of the
+  states (`feature_dropout`) so that the draft learns to draft on without them. The fusion starts as the identity on
+  the embedding, so an untrained fusion is exactly the token-only model.
 - Logits stay in draft-id space inside `forward`; `draft_to_target`, `target_to_draft` and `to_target_logits` map.
 - The engine's rollout is a tree-batched forward over the KV cache: every branch's nodes go into one forward under
   a 4-D ancestor mask, and their K/V are appended to the cache so the caller can keep one branch
@@ -135,6 +140,20 @@ class MirrorDrafterOutput(ModelOutput):
     logits: torch.Tensor | None = None  # (B, T, V_draft): main stream, p(y_{t+1})
     stream_logits: torch.Tensor | None = None  # (B, T, S, V_draft): stream j, p(y_{t+1+j}); None without streams
     cache: DynamicCache | None = None
+
+
+def paired_features(hidden: torch.Tensor, withheld: torch.Tensor | None = None) -> torch.Tensor:
+    """EAGLE's pairing of target states with draft inputs: out[:, t] = hidden[:, t-1], zeros at t = 0.
+
+    hidden (B, T, H_target): the target's ℓe state of every position of each row (a row is one contiguous span of a
+    sequence); withheld (B, T) bool or None: positions whose paired state is zeroed, as for a token the draft rolled
+    out itself. Returns (B, T, H_target).
+    """
+    out = torch.zeros_like(hidden)
+    out[:, 1:] = hidden[:, :-1]
+    if withheld is not None:
+        out = out.masked_fill(withheld[..., None], 0.0)
+    return out
 
 
 class Rollout(NamedTuple):
@@ -536,6 +555,7 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
         use_streams: bool = True,
+        features: torch.Tensor | None = None,
     ) -> list[Rollout]:
         """Roll out γ tokens for branches that hang off a shared chain: the engine's branch-complete rollout.
 
@@ -544,7 +564,9 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         the spine up to and including spine[anchor] (anchor -1: the committed context alone; then token is
         required), followed by `token`, or by nothing when token is None. The spine is fed once for all branches;
         a branch without a token reads its first logits off the spine node itself. `Rollout.nodes` of a branch
-        lists the spine nodes up to its anchor, then its own.
+        lists the spine nodes up to its anchor, then its own. features (feature conditioning): (S + R, H_target), the
+        target state each spine node and then each branch token (R: the branches with one) reads, zeros where there
+        is none; the tokens rolled out read none.
         """
         if not spine:
             raise MirrorTrainError("rollout_tree needs a non-empty spine")
@@ -562,7 +584,11 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
                 tokens.append(int(token))
                 chain.append(len(parents) - 1)
             chains.append(chain)
-        return self._rollout(cache, parents, tokens, chains, gamma, temperature, generator, use_streams, None)
+        if features is not None:
+            if features.shape[0] != len(tokens):
+                raise MirrorTrainError(f"features cover {features.shape[0]} nodes, the first pass feeds {len(tokens)}")
+            features = features.unsqueeze(0)  # (1, S + R, H_target)
+        return self._rollout(cache, parents, tokens, chains, gamma, temperature, generator, use_streams, features)
 
     def _rollout(
         self,
