@@ -165,14 +165,18 @@ class PositionSampler:
 
 class WindowSampler:
     """Batches of whole context windows (heads that attend over the context): windows of up to `window` positions
-    cut from each cached sequence, shuffled per epoch by (seed + epoch) and packed up to `batch_size` positions."""
+    cut from each cached sequence, shuffled per epoch by (seed + epoch) and packed up to `batch_size` positions.
+    Windows holding answer positions appear `answer_repeat` times an epoch (as `training_positions` repeats them)."""
 
-    def __init__(self, cache: FeatureCache, batch_size: int, seed: int, window: int = 1024):
+    def __init__(self, cache: FeatureCache, batch_size: int, seed: int, window: int = 1024, answer_repeat: int = 1):
         self.cache, self.batch_size, self.seed = cache, batch_size, seed
         spans = []
+        answers = np.asarray(cache.is_answer)
         for s in range(cache.num_sequences):
             lo, hi = int(cache.offsets[s]), int(cache.offsets[s + 1])
-            spans += [(a, min(a + window, hi)) for a in range(lo, hi, window)]
+            for a in range(lo, hi, window):
+                b = min(a + window, hi)
+                spans += [(a, b)] * (max(answer_repeat, 1) if answers[a:b].any() else 1)
         self.spans = np.array(spans, dtype=np.int64)
         self._plans: dict[int, list[list[int]]] = {}
         self.steps_per_epoch = len(self._plan(0))

@@ -46,7 +46,7 @@ def main(cfg: DrafterRunConfig) -> None:
         prepare_data(data, target)
     accelerator.wait_for_everyone()
     train, heldout = open_caches(data)
-    sampler = WindowSampler(train, cfg.train.batch_size, cfg.train.seed, cfg.train.window)
+    sampler = WindowSampler(train, cfg.train.batch_size, cfg.train.seed, cfg.train.window, cfg.data.answer_repeat)
 
     torch.manual_seed(cfg.train.seed)  # here, not earlier: data generation (when it runs) draws random numbers too
     model = build_draft(cfg.model, target, train)

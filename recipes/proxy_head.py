@@ -50,7 +50,7 @@ def main(cfg: ProxyRunConfig) -> None:
     train_dir, heldout_dir = feature_dirs(cfg)
     train, heldout = FeatureCache(train_dir, cfg.head.exit_layer), FeatureCache(heldout_dir, cfg.head.exit_layer)
     if cfg.head.kind == "attention":
-        sampler = WindowSampler(train, cfg.train.batch_size, cfg.train.seed, cfg.train.window)
+        sampler = WindowSampler(train, cfg.train.batch_size, cfg.train.seed, cfg.train.window, cfg.data.answer_repeat)
     else:
         positions = training_positions(train, cfg.data.train_on, cfg.data.answer_repeat)
         sampler = PositionSampler(train, positions, cfg.train.batch_size, cfg.train.seed)

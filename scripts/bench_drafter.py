@@ -53,6 +53,30 @@ def lossless_loop(target, draft_path, prompts, gammas, max_new_tokens, reference
     return rows
 
 
+def checkpoint_curve(target, draft_path, root, prompts, references, gammas, max_new_tokens, batch_size, draft_dtype):
+    """Mean accepted tokens in the same lossless loop (streams on) for each checkpoint's weights under `root`
+    (step_N/model.safetensors + trainer_state.json, as the recipe saves them): the curve against training."""
+    from safetensors.torch import load_file
+
+    rows = []
+    for ckpt in sorted(Path(root).glob("step_*"), key=lambda p: int(p.name.split("_")[1])):
+        draft = load_draft(draft_path, target)
+        draft.load_state_dict(load_file(ckpt / "model.safetensors"))
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        step = int(state.get("step", ckpt.name.split("_")[1]))
+        row = {"step": step, "minutes": round(state.get("minutes", 0.0), 2), "positions": step * batch_size}
+        for gamma in gammas:
+            cfg = EngineConfig(gamma=gamma, branch_budget=1, placement="local", draft_dtype=draft_dtype)
+            with MirrorEngine(target, None, draft, cfg) as engine:
+                gens = [engine.generate(p.messages(), max_new_tokens, method="sd") for p in prompts]
+            if any(g.tokens != ref for g, ref in zip(gens, references, strict=True)):
+                raise SystemExit(f"{ckpt}: an output differs from the target's own")
+            row[f"accepted_gamma_{gamma}"] = sum(len(g.tokens) for g in gens) / sum(len(g.steps) for g in gens)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def latency(target, draft, nodes=(1, 8, 32), context=300):
     """Median ms of one tree forward over n new chained nodes after `context` cached tokens, on one thread."""
     from mirror_train.models.drafter import keep_cache_path
@@ -96,6 +120,8 @@ def main() -> None:
     ap.add_argument("--gammas", default="1,2,3,4,5")
     ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="of the loop")
     ap.add_argument("--log", default=None)
+    ap.add_argument("--checkpoints", default=None, help="a folder of step_N checkpoints: accepted tokens per step")
+    ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--batch-size", type=int, default=512, help="positions per step of the logged run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -108,13 +134,14 @@ def main() -> None:
     print(f"{total:,} parameters ({layers:,} without the embeddings and the head)")
 
     dtypes = ("float32", "bfloat16")
-    result["latency_ms"] = {d: latency(target, draft.to(getattr(torch, d))) for d in dtypes}
-    s = draft.config.num_streams
-    print("| tree nodes | " + " | ".join(f"main only ms ({d}) | with streams ms ({d})" for d in dtypes) + " |")
-    print("|---" * (1 + 2 * len(dtypes)) + "|")
-    for n in (1, 8, 32):
-        cells = [f"{result['latency_ms'][d][f'{n}_nodes_{k}_streams_ms']:.1f}" for d in dtypes for k in (0, s)]
-        print(f"| {n} | " + " | ".join(cells) + " |")
+    if not args.skip_latency:
+        result["latency_ms"] = {d: latency(target, draft.to(getattr(torch, d))) for d in dtypes}
+        s = draft.config.num_streams
+        print("| tree nodes | " + " | ".join(f"main only ms ({d}) | with streams ms ({d})" for d in dtypes) + " |")
+        print("|---" * (1 + 2 * len(dtypes)) + "|")
+        for n in (1, 8, 32):
+            cells = [f"{result['latency_ms'][d][f'{n}_nodes_{k}_streams_ms']:.1f}" for d in dtypes for k in (0, s)]
+            print(f"| {n} | " + " | ".join(cells) + " |")
 
     questions = load_prompts(default_specbench_file())
     prompts = questions[:: max(len(questions) // args.prompts, 1)][: args.prompts]
@@ -133,6 +160,23 @@ def main() -> None:
             f"| {g} | {s['mean_accepted']:.3f} | {s['forwards_per_window']:.2f} | {t['mean_accepted']:.3f} | "
             f"{t['forwards_per_window']:.2f} | {s['lossless'] and t['lossless']} |"
         )
+    if args.checkpoints:
+        result["checkpoints"] = checkpoint_curve(
+            target,
+            args.draft,
+            args.checkpoints,
+            prompts,
+            references,
+            gammas,
+            args.max_new_tokens,
+            args.batch_size,
+            args.draft_dtype,
+        )
+        print("\n| step | minutes | training positions | " + " | ".join(f"accepted, γ={g}" for g in gammas) + " |")
+        print("|---" * (3 + len(gammas)) + "|")
+        for r in result["checkpoints"]:
+            cells = " | ".join(f"{r[f'accepted_gamma_{g}']:.3f}" for g in gammas)
+            print(f"| {r['step']} | {r['minutes']:.1f} | {r['positions']:,} | {cells} |")
     if args.log:
         result["curve"] = parse_log(args.log, args.batch_size)
         print("\n| step | minutes | training positions | held-out top-1 |\n|---|---|---|---|")

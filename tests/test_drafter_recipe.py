@@ -7,9 +7,11 @@ import math
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -291,6 +293,16 @@ def test_reduced_vocabulary_holds_the_frequent_and_special_ids(caches, tiny_targ
     assert metrics["positions"] > 0 and all(0 <= metrics[k] <= 1 for k in ("top1", "stream_1", "stream_2"))
 
 
+def test_window_sampler_repeats_the_windows_that_hold_answers(caches):
+    from mirror_train.proxy_training import WindowSampler
+
+    train, _ = caches
+    once, thrice = (WindowSampler(train, 32, seed=0, window=8, answer_repeat=r) for r in (1, 3))
+    holds_answers = [bool(np.asarray(train.is_answer)[a:b].any()) for a, b in once.spans]
+    assert any(holds_answers) and not all(holds_answers)
+    assert len(thrice.spans) == len(once.spans) + 2 * sum(holds_answers)
+
+
 def test_feature_conditioned_draft_reads_the_cached_layer(caches, tiny_target):
     train, heldout = caches
     draft = build_draft(DrafterModelConfig(num_layers=2, feature_conditioning="target_hidden"), tiny_target, train)
@@ -344,5 +356,9 @@ def test_shipped_drafter_config_parses_and_shares_the_proxy_heads_data():
     assert path.read_text().startswith("# accelerate launch recipes/drafter.py --config " + str(path.relative_to(ROOT)))
     cfg = load_config(DrafterRunConfig, path)
     proxy = load_config(ProxyRunConfig, ROOT / "recipes" / "configs" / "proxy_head_smollm2.yaml")
-    assert cfg.data == proxy.data, "the draft reuses the proxy head's caches only with the same data settings"
+    sampling = ("train_on", "answer_repeat")  # how a run samples the caches, not what they hold
+    made = {k: v for k, v in asdict(cfg.data).items() if k not in sampling}
+    assert made == {k: v for k, v in asdict(proxy.data).items() if k not in sampling}, (
+        "the draft reuses the proxy head's caches only with the same data settings"
+    )
     assert (cfg.model.exit_layer or 30 // 2) == proxy.head.exit_layer  # the testbed has 30 layers

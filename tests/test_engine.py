@@ -278,6 +278,16 @@ def test_a_feature_conditioned_draft_is_lossless_and_reads_the_true_paired_state
                 torch.testing.assert_close(got.values[:, :, :committed], want.values, atol=1e-4, rtol=1e-4)
 
 
+def test_a_feature_conditioned_draft_in_a_worker_process_is_lossless(target, conditioned_draft, prompts, references):
+    """The states cross a real pipe: the prompt's in the middle of the prefill, then the window's every step."""
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="process", **ANY_CORE)
+    with MirrorEngine(target, proxy_head(target, "mlp"), conditioned_draft, cfg) as engine:
+        for prompt, ref in zip(prompts, references):
+            for method in ("sd", "mirror"):
+                assert engine.generate(prompt, MAX_NEW, method=method, stop=[]).tokens == ref, (method, prompt)
+    assert_no_worker()
+
+
 def test_a_feature_conditioned_draft_must_read_the_heads_exit_layer(target, conditioned_draft):
     cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", exit_layer=1)
     with pytest.raises(MirrorTrainError, match="layer-2 states .* ℓe=1"):

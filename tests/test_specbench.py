@@ -122,3 +122,16 @@ def test_bad_method_lists_are_refused():
     for methods, message in (("sd,mirror", "must include ar"), ("ar,eagle", "unknown methods"), ("ar,sd", "--draft")):
         with pytest.raises(MirrorTrainError, match=message):
             SpecBenchConfig(methods=methods).validate()
+
+
+def test_assisted_generation_is_skipped_for_a_draft_that_reads_the_targets_states(tmp_path):
+    """transformers runs an assistant as a plain LM: it cannot feed a conditioned draft the target's states."""
+    from mirror_train.eval.specbench import SpecBenchConfig, _servable
+
+    conditioned, plain = tmp_path / "conditioned", tmp_path / "plain"
+    for path, kind in ((conditioned, "target_hidden"), (plain, "none")):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"feature_conditioning": kind}))
+    with pytest.warns(UserWarning, match="skipping assisted"):
+        assert _servable(SpecBenchConfig(draft=str(conditioned))) == ["ar", "sd", "mirror", "pld"]
+    assert _servable(SpecBenchConfig(draft=str(plain))) == ["ar", "sd", "mirror", "assisted", "pld"]

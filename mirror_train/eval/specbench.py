@@ -17,6 +17,7 @@ import json
 import statistics
 import time
 import uuid
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -148,6 +149,7 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
     from mirror_train.target import Target
 
     cfg.validate()
+    methods = _servable(cfg)
     out = Path(cfg.out)
     qpath = resolve_questions(cfg.questions, cfg.download, str(Path(cfg.cache_dir).expanduser()), cfg.checksum)
     cats = [c.strip() for c in cfg.categories.split(",")] if cfg.categories else None
@@ -163,8 +165,8 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
     _check_resume(out, record)
     answers_dir = out / "answers"
     answers_dir.mkdir(exist_ok=True)
-    done = {m: _done(answers_dir / f"{m}.jsonl") for m in cfg.method_list}
-    todo = [q for q in questions if any(q.id not in done[m] for m in cfg.method_list)]
+    done = {m: _done(answers_dir / f"{m}.jsonl") for m in methods}
+    todo = [q for q in questions if any(q.id not in done[m] for m in methods)]
     engine_cfg = EngineConfig(
         exit_layer=cfg.exit_layer,
         kappa=cfg.kappa,
@@ -178,10 +180,10 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
         target_core=cfg.target_core,
         draft_core=cfg.draft_core,
     )
-    uses_draft = any(m in ("sd", "mirror") for m in cfg.method_list)
+    uses_draft = any(m in ("sd", "mirror") for m in methods)
     engine = MirrorEngine(target, cfg.proxy_head, cfg.draft if uses_draft else None, engine_cfg)
     assistant = None
-    if "assisted" in cfg.method_list:
+    if "assisted" in methods:
         from mirror_train.devices import resolve_dtype
         from mirror_train.drafter_training import load_draft
 
@@ -214,12 +216,12 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
     with engine:
         if todo:
             warm = questions[0].messages()
-            for method in cfg.method_list:
+            for method in methods:
                 for _ in range(cfg.warmups):
                     _warm(method, warm, engine, target, cfg, stops, assistant)
-        bar = tqdm(total=len(todo) * len(cfg.method_list), desc="specbench", unit="answer")
+        bar = tqdm(total=len(todo) * len(methods), desc="specbench", unit="answer")
         for q in todo:
-            for method in cfg.method_list:
+            for method in methods:
                 if q.id in done[method]:
                     bar.update()
                     continue
@@ -233,6 +235,28 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
                 bar.update()
         bar.close()
     return out
+
+
+def _servable(cfg: SpecBenchConfig) -> list[str]:
+    """The methods to run: all asked for, but transformers' assisted generation with a feature-conditioned draft,
+    which it cannot feed the target's states (it runs the draft as a plain LM), is skipped with a warning."""
+    methods = cfg.method_list
+    if "assisted" in methods and cfg.draft and _reads_target_states(cfg.draft):
+        warnings.warn(
+            f"skipping assisted: {cfg.draft} reads the target's ℓe states, which transformers' assisted generation "
+            "cannot give it (the engine's sd and mirror do)",
+            stacklevel=3,
+        )
+        methods = [m for m in methods if m != "assisted"]
+    return methods
+
+
+def _reads_target_states(draft: str) -> bool:
+    path = Path(draft) / "config.json"
+    try:
+        return json.loads(path.read_text()).get("feature_conditioning", "none") != "none"
+    except (OSError, json.JSONDecodeError):
+        return False  # a bad draft path gets its clear error where the draft loads
 
 
 def _pinned_hf(target, ids, cfg, stops, method, assistant, hf_generate):
