@@ -263,4 +263,6 @@ def _type_name(tp: Any) -> str:
 
 
 def _show(value: Any) -> str:
+    if isinstance(value, bool):  # YAML 1.1 reads yes/no/on/off as booleans: `train.mixed_precision=no` arrives so
+        return f"{value} (bool; YAML reads yes/no/on/off as booleans: quote a word meant as text, 'no')"
     return "null" if value is None else f"{reprlib.repr(value)} ({type(value).__name__})"

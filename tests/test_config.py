@@ -117,6 +117,7 @@ def test_wrong_types(tmp_path):
         "train:\n  resume: 3\n": "train.resume: expected Path, got 3 (int)",
         "train: 5\n": "train: expected a mapping (Train), got 5 (int)",
         "name: null\n": "name: expected str, got null",
+        "name: no\n": "name: expected str, got False (bool; YAML reads yes/no/on/off as booleans: quote a word",
     }
     for body, expected in cases.items():
         with pytest.raises(MirrorTrainError, match=re.escape(expected)):
