@@ -283,6 +283,9 @@ def train_loop(
             metrics = evaluate_fn()
             accelerator.log({f"heldout/{k}": v for k, v in metrics.items()}, step=step)
             bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items() if k in ("hit_4", "omega_4", "top1")})
+            if accelerator.is_main_process:  # a line per evaluation: the log is the run's curve (bench scripts read it)
+                shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float))
+                bar.write(f"eval step {step} ({budget.minutes():.2f} min): {shown}")
         if step % save_every == 0 or finished:
             checkpoints.save(accelerator, step, {"minutes": budget.minutes()})
     bar.close()

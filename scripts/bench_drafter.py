@@ -99,8 +99,15 @@ def latency(target, draft, nodes=(1, 8, 32), context=300):
 
 
 def parse_log(path: str, batch_size: int) -> list[dict]:
-    """(step, minutes, positions, top1) from the tqdm lines of a recipe log."""
+    """(step, minutes, positions, top1) from a recipe log: its "eval step" lines, or for logs older than those the
+    progress bar's postfix (which misses an evaluation that repeats the previous value)."""
     text = Path(path).read_text(errors="replace").replace("\r", "\n")
+    lines = re.findall(r"eval step (\d+) \(([0-9.]+) min\): .*?\btop1=([0-9.]+)", text)
+    if lines:
+        return [
+            {"step": int(s), "minutes": round(float(m), 2), "positions": int(s) * batch_size, "top1": float(t)}
+            for s, m, t in lines
+        ]
     points, last = [], None
     for m in re.finditer(r"(\d+)/\d+ \[(\d+):(\d+)(?::(\d+))?<[^,]*,[^\]]*top1=([0-9.]+)", text):
         step, top1 = int(m.group(1)), float(m.group(5))

@@ -73,6 +73,7 @@ def test_proxy_recipe_smoke(proxy_config, tmp_path, tiny_model_dir, kind):
     assert (run / "config.yaml").exists() and list((run / "checkpoints").glob("step_*"))
     assert list(run.rglob("events.out.tfevents*"))  # tensorboard logged
     assert "exported" in proc.stdout
+    assert "eval step 2 (" in proc.stdout  # a line per evaluation: the curve scripts read it from the log
 
 
 def test_proxy_recipe_bf16_data_and_training(proxy_config, tmp_path):
