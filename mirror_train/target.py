@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mirror_train import attention
 from mirror_train.errors import MirrorTrainError
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
@@ -73,6 +74,8 @@ class Target:
             self.layer_types = [_SLIDING if sliding else _FULL] * n
         self._typed_rotary = "layer_type" in inspect.signature(self.decoder.rotary_emb.forward).parameters
         self._softcap = getattr(self.config, "final_logit_softcapping", None)
+        # A window scored at once must equal the same tokens scored one by one, bit for bit (mirror_train/attention.py).
+        self.row_invariant = attention.install(model)
 
     @classmethod
     def load(
@@ -236,16 +239,20 @@ class Target:
         return hidden
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, cache, exit_layer: int, on_exit=None) -> torch.Tensor:
-        """Fill `cache` with every layer's K/V for `input_ids` (B, T) without the LM head (a prompt's logits are
-        never read); returns the ℓe states (B, T, H), for a proxy head with a cache of its own. `on_exit(states)`,
-        if given, is called with them between the halves (to send them on while the upper layers run)."""
+    def prefill(
+        self, input_ids: torch.Tensor, cache, exit_layer: int, on_exit=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill `cache` with every layer's K/V for `input_ids` (B, T) in one pass, as transformers' `generate` does
+        (a prompt split differently rounds differently in bf16). Returns the ℓe states (B, T, H), for a proxy head
+        or draft with a cache of its own, and the final logits of the last position (B, V): the first new token.
+        The LM head runs on that row only. `on_exit(states)`, if given, is called with the ℓe states between the
+        halves (to send them on while the upper layers run)."""
         state = self.prefix(input_ids, cache, exit_layer)
         exit_hidden = state.hidden
         if on_exit is not None:
             on_exit(exit_hidden)
-        self.run_layers(state, self.decoder.layers, range(exit_layer, self.num_layers))
-        return exit_hidden
+        hidden = self.run_layers(state, self.decoder.layers, range(exit_layer, self.num_layers))
+        return exit_hidden, self.logits(self.decoder.norm(hidden[:, -1]))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -30,6 +30,12 @@ from mirror_train.target import Target
 from mirror_train.timing import median_ms, torch_threads
 
 
+def _per_window(gens) -> float:
+    """Tokens committed per verified window (A + 1), over every generation: the prefill's first token aside."""
+    windows = [s for g in gens for s in g.steps if s.window]
+    return sum(s.committed for s in windows) / len(windows)
+
+
 def lossless_loop(target, draft_path, prompts, gammas, max_new_tokens, references, draft_dtype="auto"):
     rows = []
     for streams in (True, False):
@@ -44,7 +50,7 @@ def lossless_loop(target, draft_path, prompts, gammas, max_new_tokens, reference
                 {
                     "streams": streams,
                     "gamma": gamma,
-                    "mean_accepted": sum(len(g.tokens) for g in gens) / len(steps),
+                    "mean_accepted": _per_window(gens),
                     "forwards_per_window": statistics.mean(s.draft_forwards for s in steps if s.draft_forwards),
                     "lossless": all(g.tokens == ref for g, ref in zip(gens, references, strict=True)),
                 }
@@ -71,7 +77,7 @@ def checkpoint_curve(target, draft_path, root, prompts, references, gammas, max_
                 gens = [engine.generate(p.messages(), max_new_tokens, method="sd") for p in prompts]
             if any(g.tokens != ref for g, ref in zip(gens, references, strict=True)):
                 raise SystemExit(f"{ckpt}: an output differs from the target's own")
-            row[f"accepted_gamma_{gamma}"] = sum(len(g.tokens) for g in gens) / sum(len(g.steps) for g in gens)
+            row[f"accepted_gamma_{gamma}"] = _per_window(gens)
         rows.append(row)
         print(row, flush=True)
     return rows

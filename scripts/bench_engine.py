@@ -43,6 +43,8 @@ def run_methods(engine, prompts, references, methods, max_new_tokens):
                     "task": task,
                     "id": prompt.id,
                     "lossless": g.tokens == ref,
+                    "window_tokens": sum(s.committed for s in steps),
+                    "windows": len(steps),
                     "step_ms": sum(s.step_ms for s in steps),
                     "decode_ms": sum(s.step_ms for s in g.steps),  # every step: the generation without its prefill
                     "predicted_ms": sum(s.predicted_ms for s in steps),
@@ -58,7 +60,6 @@ def run_methods(engine, prompts, references, methods, max_new_tokens):
 def aggregate(rows, method):
     mine = [r for r in rows if r["method"] == method]
     tokens, seconds = sum(r["tokens"] for r in mine), sum(r["seconds"] for r in mine)
-    steps = sum(r["steps"] for r in mine)
     reuse = [r["reuse_rate"] for r in mine if r["reuse_rate"] is not None]
     hits = [h for r in mine for h in r["hits"]]
     predicted = sum(r["predicted_ms"] for r in mine)
@@ -66,7 +67,8 @@ def aggregate(rows, method):
         "tokens_per_s": tokens / seconds,
         "decode_tokens_per_s": tokens / (sum(r["decode_ms"] for r in mine) / 1000),
         "mean_per_question_tokens_per_s": statistics.mean(r["tokens_per_s"] for r in mine),
-        "mean_accepted": tokens / steps,
+        # tokens per verified window (A + 1), the prefill's first token aside; 1.0 for ar
+        "mean_accepted": sum(r["window_tokens"] for r in mine) / max(sum(r["windows"] for r in mine), 1) or 1.0,
         "reuse_rate": statistics.mean(reuse) if reuse else None,
         "hit": statistics.mean(hits) if hits else None,
         "overlap_efficiency": predicted / sum(r["step_ms"] for r in mine) if predicted else None,
@@ -96,11 +98,19 @@ def main() -> None:
     ap.add_argument("--candidate-vocab", type=int, default=16384)
     ap.add_argument("--head-placement", default="target", choices=["target", "draft"])
     ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument(
+        "--target-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the target's precision, every method alike (lossless is against this target's own output)",
+    )
     ap.add_argument("--exit-layer", type=int, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    target = Target.load("testbed")
+    import torch
+
+    target = Target.load("testbed", dtype=getattr(torch, args.target_dtype))
     prompts = pick_prompts(default_specbench_file(), args.per_category)
     base = EngineConfig(
         exit_layer=args.exit_layer,
@@ -118,7 +128,7 @@ def main() -> None:
         engine.generate(prompts[0][1].messages(), 8, method="ar")  # warm-up
         ar = [engine.generate(p.messages(), args.max_new_tokens, method="ar") for _, p in prompts]
     references = [g.tokens for g in ar]
-    token_ms = statistics.median(s.step_ms for g in ar for s in g.steps)  # a decoding step, prefill excluded
+    token_ms = statistics.median(s.step_ms for g in ar for s in g.steps[1:])  # a decoding step (not the prefill)
     forward_ms = args.draft_cost * token_ms
     print(
         f"{len(prompts)} prompts; target-only {1000 / token_ms:.1f} tokens/s ({token_ms:.1f} ms a token); "

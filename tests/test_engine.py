@@ -202,10 +202,72 @@ def test_a_synthetic_draft_at_any_acceptance_is_lossless(target, prompts, refere
                 g = engine.generate(prompt, MAX_NEW, method=method, stop=[], reference=ref)
                 assert g.tokens == ref, (method, prompt)
                 if acceptance == 1.0:  # every window accepted whole: γ + 1 a step (the last step may be cut)
-                    assert all(s.committed == gamma + 1 for s in g.steps[:-1]), method
-                    assert g.mean_accepted == MAX_NEW / math.ceil(MAX_NEW / (gamma + 1))
+                    assert g.steps[0].window == 0 and g.steps[0].committed == 1  # the prefill's token
+                    assert all(s.committed == gamma + 1 for s in g.steps[1:-1]), method
+                    assert g.mean_accepted == MAX_NEW / (1 + math.ceil((MAX_NEW - 1) / (gamma + 1)))
                 if acceptance == 0.0:
                     assert g.mean_accepted == 1.0 and all(s.accepted == 0 for s in g.steps)
+
+
+def test_the_rollout_shape_trades_depth_for_branches_within_the_suffix():
+    """With room for 2 whole-window branches, 8 branches of depth 2 save more expected passes when the needed branch
+    is spread over many; with a dominant branch, full depth wins; unmeasured, the whole budget at full depth."""
+    from mirror_train.engine.drafts import SyntheticDraft
+    from mirror_train.engine.server import DraftServer
+
+    server = DraftServer(SyntheticDraft(SyntheticDraftConfig(), 100), branch_budget=8)
+    server.gamma = 4
+    spread = [(0, c, 0.1) for c in range(8)]
+    assert server._shape(spread, 12.0) == (4, 8)  # nothing measured yet
+    server.samples.extend([(1, 10.0), (8, 24.0)])  # a whole-window rollout: 8 ms + 2 ms a branch
+    assert server._shape(spread, 12.0) == (2, 8)  # depth 4 fits 2 (value 0.8); depth 2 fits 8 (1.6)
+    dominant = [(0, 0, 0.9)] + [(0, c, 0.01) for c in range(1, 8)]
+    assert server._shape(dominant, 12.0) == (4, 2)
+    assert server._shape(spread, 1000.0) == (4, 8)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_branches_rolled_out_short_of_the_window_are_completed_and_stay_lossless(
+    target, conditioned_draft, prompts, references, depth, monkeypatch
+):
+    """A hit on a branch of depth δ < γ is reused and drafted on serially (γ − δ passes): synthetic and
+    feature-conditioned drafts, whose drafted tokens read no state."""
+    from mirror_train.engine.server import DraftServer
+
+    gamma = 3
+    monkeypatch.setattr(DraftServer, "_shape", lambda self, ranked, deadline: (depth, len(ranked)))
+    cfg = EngineConfig(kappa=4, gamma=gamma, branch_budget=6, placement="local", look_ahead=False)
+    for draft in (SyntheticDraftConfig(acceptance=0.7, forward_ms=0, num_streams=0), conditioned_draft):
+        with MirrorEngine(target, None, draft, cfg) as engine:
+            steps = []
+            for prompt, ref in zip(prompts, references):
+                g = engine.generate(prompt, MAX_NEW, method="mirror", stop=[], reference=ref)
+                assert g.tokens == ref
+                steps += g.steps[1:]
+        assert all(s.window == gamma for s in steps if s is not steps[-1])
+        if isinstance(draft, SyntheticDraftConfig):
+            reused = [s for s in steps if s.reused]
+            assert reused and all(s.draft_forwards == gamma - depth for s in reused)
+
+
+@pytest.mark.parametrize("placement", ["local", "process"])
+def test_the_drafts_look_ahead_serves_the_whole_window_branch(
+    target, conditioned_draft, prompts, references, placement
+):
+    """A draft that is always right: the target keeps every window and its bonus token is the draft's own next one,
+    which the look-ahead drafted during the prefix, so every later window is reused without a serial pass. A
+    conditioned draft (its look-ahead reads no states) stays lossless."""
+    gamma = 3
+    cfg = EngineConfig(kappa=2, gamma=gamma, branch_budget=2, placement=placement, **ANY_CORE)
+    with MirrorEngine(target, None, SyntheticDraftConfig(acceptance=1.0, forward_ms=0, num_streams=0), cfg) as engine:
+        for prompt, ref in zip(prompts, references):
+            g = engine.generate(prompt, MAX_NEW, method="mirror", stop=[], reference=ref)
+            assert g.tokens == ref
+            assert all(s.reused and s.draft_forwards == 0 for s in g.steps[1:-1])
+    if placement == "local":
+        with MirrorEngine(target, None, conditioned_draft, cfg) as engine:
+            for prompt, ref in zip(prompts, references):
+                assert engine.generate(prompt, MAX_NEW, method="mirror", stop=[]).tokens == ref
 
 
 @pytest.mark.parametrize(
@@ -575,4 +637,4 @@ def test_an_interrupted_generation_leaves_no_stale_reply_for_the_next(target, pr
         assert engine.draft is None and not worker.alive()  # the worker that owed a reply is gone
         after = engine.generate(prompt, MAX_NEW, method="sd", stop=[], reference=ref)
     assert after.tokens == ref
-    assert after.mean_accepted > 3.5  # γ + 1 = 4 a step, but for the last
+    assert after.accepted_per_window > 3.5  # γ + 1 = 4 a step, but for the last

@@ -99,12 +99,20 @@ def fit_budget(samples: Sequence[tuple[int, float]], deadline_ms: float | None, 
     samples: recent (branches, ms) rollout measurements; a least-squares line ms = a + b·n predicts the time. With
     fewer than two distinct branch counts measured, or no deadline, the whole budget (the measurements then come).
     """
-    if deadline_ms is None or len({n for n, _ in samples}) < 2:
+    line = rollout_line(samples)
+    if deadline_ms is None or line is None:
         return budget
+    base, slope = line
+    fits = int((deadline_ms - base) // slope)
+    return max(1, min(budget, fits))
+
+
+def rollout_line(samples: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
+    """(a, b) of the least-squares line ms = a + b·branches through `samples`; None with < 2 distinct counts."""
+    if len({n for n, _ in samples}) < 2:
+        return None
     n_mean = sum(n for n, _ in samples) / len(samples)
     t_mean = sum(t for _, t in samples) / len(samples)
     var = sum((n - n_mean) ** 2 for n, _ in samples)
     slope = max(sum((n - n_mean) * (t - t_mean) for n, t in samples) / var, 1e-6)
-    base = t_mean - slope * n_mean
-    fits = int((deadline_ms - base) // slope)
-    return max(1, min(budget, fits))
+    return t_mean - slope * n_mean, slope

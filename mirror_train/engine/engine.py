@@ -69,6 +69,8 @@ class EngineConfig:
     gloo_port: int = 29533
     timeout_s: float = 60.0  # a draft silent for this long is taken for dead
     use_streams: bool = True  # the draft's lookahead streams (False: one token per draft forward)
+    # Mirror-SD: while the target runs its prefix, the draft drafts on past its window (server.py `_look_ahead`)
+    look_ahead: bool = True
     candidate_vocab: int | None = None  # the proxy head scores only this many ids (its artifact's most frequent
     # first, else the lowest ids, which BPE's merge order makes roughly the most frequent); None: all of them
     head_placement: Literal["target", "draft"] = "target"  # where the proxy head runs (module docstring)
@@ -110,7 +112,7 @@ class StepStats:
 
     committed: int  # tokens this step added to the output (A + 1, or fewer at a stop)
     accepted: int  # A: drafted tokens the target kept
-    window: int  # γ drafted tokens verified (0: a target-only step)
+    window: int  # γ drafted tokens verified (0: a target-only step, or the prompt's prefill, the first step)
     reused: bool | None = None  # mirror: the next window came from a rolled-out branch (None: no draft asked)
     branches: int = 0
     hit: bool | None = None  # mirror: c* among the proxy's top-κ at position A (online hit_κ)
@@ -140,8 +142,15 @@ class Generation:
 
     @property
     def mean_accepted(self) -> float:
-        """Committed tokens per target verification (Spec-Bench's mean accepted tokens; 1.0 for plain decoding)."""
+        """Committed tokens per target forward, the prompt's prefill (which commits the first token) included:
+        Spec-Bench's mean accepted tokens, as the transformers peers are counted; 1.0 for plain decoding."""
         return len(self.tokens) / max(len(self.steps), 1)
+
+    @property
+    def accepted_per_window(self) -> float | None:
+        """Committed tokens per verified draft window (A + 1 a step): what the draft earns, without the prefill."""
+        windows = [s for s in self.steps if s.window]
+        return sum(s.committed for s in windows) / len(windows) if windows else None
 
     @property
     def reuse_rate(self) -> float | None:
@@ -192,6 +201,7 @@ class MirrorEngine:
         self.draft = None  # the channel, once started
         self.channel_ms = 0.0
         self._suffix_ms: float | None = None
+        self._prefix_ms: float | None = None  # the target's prefix time per window (EMA): the draft's look-ahead
         self._awaiting = False  # a request is out whose reply has not been read
 
     # --- set-up ----------------------------------------------------------------------------------------------
@@ -206,12 +216,13 @@ class MirrorEngine:
                 target
             )
         if not isinstance(proxy_head, ProxyHead):
-            return load_proxy_head(proxy_head, target, cfg.exit_layer)
+            proxy_head = load_proxy_head(proxy_head, target, cfg.exit_layer)
         if cfg.exit_layer is not None and proxy_head.cfg.exit_layer != cfg.exit_layer:
             raise MirrorTrainError(f"the proxy head reads ℓe={proxy_head.cfg.exit_layer}, not ℓe={cfg.exit_layer}")
         if proxy_head._target is not target:
             proxy_head.bind(target)
-        return proxy_head
+        # Beside the target it computes in the target's precision, like the final norm and LM head it borrows.
+        return proxy_head.to(target.dtype)
 
     def _draft_spec(self, draft) -> dict:
         from mirror_train.models.drafter import MirrorDrafterForCausalLM, check_compatible
@@ -398,7 +409,8 @@ class MirrorEngine:
 
             def start_draft(prompt_states: torch.Tensor | None) -> bool:
                 try:
-                    self.draft.send(("start", ids, cfg.gamma, ref, _wire(prompt_states)))
+                    look_ahead = method == "mirror" and cfg.look_ahead
+                    self.draft.send(("start", ids, cfg.gamma, ref, _wire(prompt_states), look_ahead))
                     self._awaiting = True
                     return True
                 except DraftUnavailable as e:
@@ -408,26 +420,39 @@ class MirrorEngine:
             if use_draft and not conditioned:  # the draft prefills while the target does
                 use_draft = start_draft(None)
             cache, head_cache = target.new_cache(), head.new_cache()
-            hidden = torch.zeros(1, 0, target.hidden_size, device=device)  # the prompt's ℓe states but the last
-            if len(ids) > 1:
-                # A conditioned draft needs the prompt's states: they go as soon as the prefix has them.
-                on_exit = (lambda states: start_draft(states[0])) if conditioned else None
-                hidden = target.prefill(torch.tensor([ids[:-1]], device=device), cache, self.exit_layer, on_exit)
-                if head_cache is not None:
-                    head.adapt(hidden, head_cache)  # the attention head's own cache over the prompt
-            elif conditioned:
-                use_draft = start_draft(hidden[0])
+            # The whole prompt in one pass (transformers' generate does the same, and in bf16 a prompt split
+            # otherwise rounds otherwise); its last row gives the first token. A conditioned draft gets the prompt's
+            # states but the last as soon as the prefix has them (the last goes with the first verdict).
+            on_exit = (lambda states: start_draft(states[0, :-1])) if conditioned else None
+            hidden, last = target.prefill(torch.tensor([ids], device=device), cache, self.exit_layer, on_exit)
+            if head_cache is not None:
+                head.adapt(hidden, head_cache)  # the attention head's own cache over the prompt
             if conditioned and not self._awaiting:  # the start message could not be sent
                 use_draft = False
+            t0 = time.perf_counter()
+            first = target_tokens(last, cfg.temperature, generator)[0]
+            new, done = truncate([first], stops, max_new_tokens)
+            stats = StepStats(committed=len(new), accepted=0, window=0)
             window: list[int] = []
             if use_draft:
                 try:
-                    window = self.draft.recv(cfg.timeout_s)[1]
+                    self.draft.recv(cfg.timeout_s)  # its window after the prompt: the prefill has decided that token
                     self._awaiting = False
+                    if not done:
+                        states = _wire(hidden[0, -1:]) if self.conditioned else None
+                        self.draft.send(("verdict", 0, first, states))
+                        self._awaiting = True
+                        window = self.draft.recv(cfg.timeout_s)[1]
+                        self._awaiting = False
                 except DraftUnavailable as e:
                     self._fault(e)
-                    use_draft = False
-            pending, cached, new = ids[-1], len(ids) - 1, []
+                    use_draft, window = False, []
+            stats.step_ms = stats.wait_ms = (time.perf_counter() - t0) * 1e3
+            stats.predicted_ms = stats.step_ms
+            yield new, stats
+            if done:
+                return
+            pending, cached = first, len(ids)
             while True:
                 t0 = time.perf_counter()
                 stats = StepStats(committed=0, accepted=0, window=len(window))
@@ -466,7 +491,7 @@ class MirrorEngine:
                     # A conditioned draft that got no branches message this step gets the committed states here.
                     states = _wire(state.hidden[0, : accepted + 1]) if self.conditioned and not asked else None
                     try:
-                        self.draft.send(("verdict", accepted, correction, states))
+                        self.draft.send(("verdict", accepted, correction, states, self._prefix_ms))
                         self._awaiting = True
                         _, next_window, info = self.draft.recv(cfg.timeout_s)
                         self._awaiting = False
@@ -487,6 +512,9 @@ class MirrorEngine:
                     stats.branches = info.get("branches", 0)
                     stats.branch_ms, stats.fallback_ms = info.get("branch_ms", 0.0), info.get("fallback_ms", 0.0)
                     stats.draft_forwards = info.get("forwards", 0)
+                if window:
+                    ema = self._prefix_ms
+                    self._prefix_ms = stats.prefix_ms if ema is None else 0.8 * ema + 0.2 * stats.prefix_ms
                 if asked:
                     self._suffix_ms = (
                         stats.suffix_ms if self._suffix_ms is None else 0.8 * self._suffix_ms + 0.2 * stats.suffix_ms

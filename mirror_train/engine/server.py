@@ -32,7 +32,7 @@ from collections import deque
 
 import torch
 
-from mirror_train.engine.branches import AcceptanceModel, fit_budget, rank_branches
+from mirror_train.engine.branches import AcceptanceModel, fit_budget, rank_branches, rollout_line
 
 
 class DraftServer:
@@ -60,6 +60,8 @@ class DraftServer:
         self.conditioned = getattr(backend, "conditioned", False)
         self.states = _States()  # ℓe states of tokens[:-1] (feature-conditioned drafts only)
         self.window_states: torch.Tensor | None = None  # this step's: the newest committed token, then the window
+        self.look_ahead = False  # Mirror-SD: draft on past the window while the target runs its prefix
+        self.ahead: list[int] = []  # the draft's own continuation past the window (look-ahead), this step
 
     def handle(self, msg: tuple):
         """Handle one message: returns (reply or None, work to do after the reply is sent or None)."""
@@ -85,8 +87,9 @@ class DraftServer:
         raise ValueError(f"unknown message {kind!r}")
 
     # --- messages --------------------------------------------------------------------------------------------
-    def _start(self, prompt, gamma, reference=None, states=None):
+    def _start(self, prompt, gamma, reference=None, states=None, look_ahead=False):
         self.gamma = int(gamma)
+        self.look_ahead, self.ahead = bool(look_ahead), []
         self.tokens = list(prompt)
         self.states = _States()
         self.window_states = None
@@ -103,28 +106,44 @@ class DraftServer:
     def _branches(self, cand_ids, cand_logp, window_logp, deadline_ms, states=None):
         if self.conditioned:
             self.window_states = _tensor(states, 1 + len(self.window), "the window")
-        budget = fit_budget(self.samples, deadline_ms, self.branch_budget) if self.adaptive_budget else None
         self.window_p = [math.exp(lp) for lp in window_logp]
         self.cands = cand_ids
         accept_prob = self.acceptance.predict(self.window_p)
-        chosen = rank_branches(self.window, cand_ids, cand_logp, window_logp, accept_prob, budget or self.branch_budget)
+        ranked = rank_branches(self.window, cand_ids, cand_logp, window_logp, accept_prob, self.branch_budget)
+        # The look-ahead (drafted during the prefix) is the branch "whole window kept, c* = the draft's own next
+        # token": it rides on the spine and is completed in the same tree; the others share the rest of the time.
+        ahead = self.ahead if len(self.ahead) > 1 else []
+        if ahead:
+            ranked = [b for b in ranked if (b[0], b[1]) != (len(self.window), ahead[0])]
+        depth, n = self._shape(ranked, deadline_ms) if self.adaptive_budget else (self.gamma, len(ranked))
+        chosen = ranked[:n]
         pending = len(self.tokens) - self.cached
         spine = self.tokens[self.cached :] + self.window
         branches = [(pending - 1 + r, c) for r, c, _ in chosen]
+        missing = self.gamma + 1 - len(ahead)  # the look-ahead's tokens still to draft for a whole next window
+        if ahead and missing > 0:
+            branches.append((len(spine) + len(ahead) - 1, None))
         features = None
         if self.conditioned:  # spine nodes, then each branch's token: paired with the state of the node before
-            roots = [self.cached + anchor for anchor, _ in branches]
-            features = torch.cat([self._paired(self.cached, len(spine)), self._rows(roots)])
+            roots = [self.cached + anchor for anchor, c in branches if c is not None]
+            paired = self._paired(self.cached, len(spine) + (1 if ahead else 0))  # ahead[0] reads d_γ's state
+            blank = torch.zeros(max(len(ahead) - 1, 0), paired.shape[1])  # drafted tokens read none
+            features = torch.cat([paired, blank, self._rows(roots)])
         start = time.perf_counter()
-        drafted, _ = self.backend.rollout(spine, branches, self.gamma, features)
+        drafted = self.backend.rollout(spine + ahead, branches, depth, features)[0] if branches else []
         self.branch_ms = (time.perf_counter() - start) * 1000
-        self.samples.append((len(chosen), self.branch_ms))
-        self.rolled = {(r, c): tokens for (r, c, _), tokens in zip(chosen, drafted, strict=True)}
-        self.rolled_spine = pending
+        if chosen:
+            self.samples.append((len(branches), self.branch_ms * self.gamma / depth))  # in whole-window rollouts
+        self.rolled = {(r, c): tokens for (r, c, _), tokens in zip(chosen, drafted, strict=False)}
+        if ahead:
+            rest = drafted[-1] if missing > 0 else []
+            self.rolled[(len(self.window), ahead[0])] = (ahead[1:] + rest)[: self.gamma]
+        self.rolled_spine = pending if branches else 0  # nothing fed: the verdict falls back (κ = 1 edge cases)
         self.num_branches = len(chosen)
 
-    def _verdict(self, accepted, correction, states=None):
+    def _verdict(self, accepted, correction, states=None, prefix_ms=None):
         accepted, correction = int(accepted), int(correction)
+        self.ahead = []
         if self.conditioned:  # the states of the newest committed token and of d_1..d_A become committed ones
             if states is not None:
                 self.window_states = _tensor(states, 1 + accepted, "the verdict")
@@ -142,11 +161,17 @@ class DraftServer:
         if self.rolled_spine:
             keep = self.rolled_spine + accepted  # the pending tokens and the accepted window, not c*
             self.rolled, self.rolled_spine, self.num_branches = {}, 0, 0
+            if hit is not None and len(hit) < self.gamma:
+                self._keep(keep)
+                reply, _ = self._extend(hit, info)
+                return reply, self._then_look_ahead(len(self.tokens) - self.cached - 1, prefix_ms)
             if hit is not None:
                 self.window = hit
-                return ("window", hit, info | {"reused": True, "fallback_ms": 0.0}), lambda: self._keep(keep)
+                reply = ("window", hit, info | {"reused": True, "fallback_ms": 0.0})
+                return reply, self._then_look_ahead(keep, prefix_ms)
             self._keep(keep)
-        return self._fallback(info | {"reused": False})
+        reply, _ = self._fallback(info | {"reused": False})
+        return reply, self._then_look_ahead(len(self.tokens) - self.cached - 1, prefix_ms)
 
     # --- helpers ---------------------------------------------------------------------------------------------
     def _keep(self, n: int) -> None:
@@ -162,6 +187,69 @@ class DraftServer:
         self.window = drafted[0]
         info = info | {"fallback_ms": (time.perf_counter() - start) * 1000, "forwards": forwards}
         return ("window", self.window, info), lambda: self._keep(len(spine) - 1)
+
+    def _extend(self, partial: list[int], info: dict):
+        """Reuse a branch rolled out short of γ and draft the rest serially: γ − depth passes, not a fallback's γ.
+        Its drafted tokens have no target states yet: they read none (zeros), as in the rollout that made them."""
+        committed = self.tokens[self.cached :]
+        spine = committed + partial
+        features = None
+        if self.conditioned:
+            blank = torch.zeros(len(partial), self.states.width or self.window_states.shape[1])
+            features = torch.cat([self._paired(self.cached, len(committed)), blank])
+        start = time.perf_counter()
+        drafted, forwards = self.backend.rollout(spine, [(len(spine) - 1, None)], self.gamma - len(partial), features)
+        self.window = partial + drafted[0]
+        info = info | {"reused": True, "fallback_ms": (time.perf_counter() - start) * 1000, "forwards": forwards}
+        return ("window", self.window, info), lambda: self._keep(len(committed) - 1)
+
+    def _then_look_ahead(self, keep: int, prefix_ms: float | None):
+        """The work after a window is sent: prune the cache to the committed path, then (Mirror-SD) look ahead."""
+
+        def work():
+            self._keep(keep)
+            if self.look_ahead:
+                self._look_ahead(prefix_ms)
+
+        return work
+
+    def _look_ahead(self, prefix_ms: float | None) -> None:
+        """Draft on past the window while the target runs its prefix (the draft would idle until the branch request):
+        whenever the target keeps the whole window and its bonus token is the draft's own next token, the next window
+        is already here, and the suffix's time goes to the other branches. As many passes as fit the target's
+        measured prefix (γ + 1 at most: the bonus token, then a whole window)."""
+        line = rollout_line(self.samples)
+        depth = self.gamma + 1
+        if line is not None and prefix_ms is not None:
+            per_pass = (line[0] + line[1]) / self.gamma
+            depth = max(0, min(depth, int(prefix_ms // max(per_pass, 1e-6))))
+        if depth < 2:
+            return
+        committed = self.tokens[self.cached :]
+        spine = committed + self.window
+        features = None
+        if self.conditioned:
+            if self.states.width is None:  # a one-token prompt: nothing to read yet
+                return
+            blank = torch.zeros(len(self.window), self.states.width)
+            features = torch.cat([self._paired(self.cached, len(committed)), blank])
+        drafted, _ = self.backend.rollout(spine, [(len(spine) - 1, None)], depth, features)
+        self.backend.keep(len(committed) - 1)  # as before: committed tokens but the newest
+        self.ahead = drafted[0]
+
+    def _shape(self, ranked: list[tuple[int, int, float]], deadline_ms: float | None) -> tuple[int, int]:
+        """(depth, branches) of this step's rollout: of the shapes that fit the target's suffix, the one that saves
+        the most expected serial passes (depth × the probability that one of its branches is the one needed).
+        A shallower tree fits more branches; a hit on a branch of depth δ < γ costs γ − δ passes after the verdict
+        (`_extend`) instead of a fallback's γ. Depth γ when everything fits (or nothing has been measured yet)."""
+        best = (-1.0, self.gamma, len(ranked))
+        for depth in range(self.gamma, 0, -1):
+            scaled = None if deadline_ms is None else deadline_ms * self.gamma / depth
+            n = fit_budget(self.samples, scaled, len(ranked))
+            value = depth * sum(p for _, _, p in ranked[:n])
+            if value > best[0] + 1e-12:
+                best = (value, depth, n)
+        return best[1], best[2]
 
     def _calibrate(self) -> None:
         """Time rollouts of 1 and of the whole budget on the fresh context, so `fit_budget` has a line to fit."""

@@ -56,6 +56,9 @@ class SpecBenchConfig:
     candidate_vocab: int | None = 16384
     head_placement: str = "draft"
     draft_dtype: str = "auto"  # the draft's precision, here and as transformers' assistant (EngineConfig)
+    # The target's precision, for every method alike (lossless means: equal to this target's own greedy output).
+    # bfloat16 verifies a window at ~1.2× a one-token step on AMX CPUs and GPUs, float32 at ~1.75× (docs/engine.md).
+    target_dtype: str = "float32"
     placement: str = "process"
     target_core: int | None = 0
     draft_core: int | None = 1
@@ -79,6 +82,8 @@ class SpecBenchConfig:
             raise MirrorTrainError("max_new_tokens and runs must be ≥ 1, warmups ≥ 0")
         if self.limit_per_category is not None and self.limit_per_category < 1:
             raise MirrorTrainError("limit_per_category must be ≥ 1")
+        if self.target_dtype not in ("float32", "bfloat16"):
+            raise MirrorTrainError(f"target_dtype must be float32 or bfloat16, got {self.target_dtype!r}")
 
     def settings(self) -> dict:
         """What must match for a resumed run to add to the same answers (not where or how much)."""
@@ -99,6 +104,9 @@ def _artifact_id(path: str | None) -> str | None:
     return f"{path}#{digest}"
 
 
+_LATER_SETTINGS = {"target_dtype": "float32"}
+
+
 def _check_resume(out: Path, record: dict) -> None:
     path = out / "run.json"
     if not path.exists():
@@ -109,6 +117,7 @@ def _check_resume(out: Path, record: dict) -> None:
         old = json.loads(path.read_text())
     except json.JSONDecodeError:
         raise MirrorTrainError(f"{path} is corrupt; move it away (the answers beside it are kept)") from None
+    old["settings"] = _LATER_SETTINGS | old.get("settings", {})  # runs from before a setting existed had its default
     diff = [k for k in ("settings", "target", "chat_template") if old.get(k) != record.get(k)]
     if diff:
         details = []
@@ -142,6 +151,8 @@ def _done(path: Path) -> set[str]:
 
 def run_specbench(cfg: SpecBenchConfig) -> Path:
     """Run (or resume) the benchmark; returns the output directory."""
+    import torch
+
     from mirror_train.engine import EngineConfig, MirrorEngine
     from mirror_train.eval.peers import hf_generate
     from mirror_train.eval.questions import load_questions, resolve_questions
@@ -154,7 +165,7 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
     qpath = resolve_questions(cfg.questions, cfg.download, str(Path(cfg.cache_dir).expanduser()), cfg.checksum)
     cats = [c.strip() for c in cfg.categories.split(",")] if cfg.categories else None
     questions = load_questions(qpath, cats, cfg.limit_per_category)
-    target = Target.load(cfg.target)
+    target = Target.load(cfg.target, dtype=getattr(torch, cfg.target_dtype))
     tok = target.tokenizer
     record = {
         "settings": cfg.settings() | {"proxy_head": _artifact_id(cfg.proxy_head), "draft": _artifact_id(cfg.draft)},

@@ -1,0 +1,68 @@
+"""Row-invariant attention: a verification window attends exactly as one-token decoding does.
+
+Speculative decoding is lossless only if the target scores a window of k tokens the way it would score them one at
+a time. Matmuls do (every row of a GEMM is its own dot products), but PyTorch's CPU SDPA kernels do not: the fused
+kernel for a k-row causal window blocks and reduces differently from the one-row decoding kernel. In float32 the
+difference is ~1e-5 in a logit and never flipped a greedy token we measured; in bfloat16 every layer rounds it into
+the residual stream and it reached 0.6 in a logit, enough to change the greedy token at 2 of 30 random positions
+(scripts/bench_engine.py and tests/test_attention.py measure it). So for a window over a cache, this
+attention runs each query row as its own one-row SDPA call over exactly the keys that row may see: bit for bit the
+call plain decoding makes. Everything else (prefill, padded batches, trees, no cache) goes to transformers' SDPA
+unchanged. The cost is k small attention calls instead of one (measured in docs/engine.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "mirror_row_invariant_sdpa"
+MAX_ROWS = 64  # windows longer than this are not verification windows; they take the fused kernel
+
+
+def _plain_causal_window(mask: torch.Tensor | None, q_len: int, kv_len: int) -> bool:
+    """True when `mask` lets row i see exactly keys 0..kv_len−q_len+i (a window at the end of a cache)."""
+    if mask is None:  # transformers drops the mask only when SDPA's own causal flag says the same
+        return True
+    if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1 or mask.shape[-2:] != (q_len, kv_len):
+        return False
+    rows = torch.arange(kv_len - q_len, kv_len, device=mask.device)[:, None]
+    expected = torch.arange(kv_len, device=mask.device)[None, :] <= rows
+    if mask.dtype == torch.bool:
+        return bool(torch.equal(mask[0, 0], expected))
+    return bool(torch.equal(mask[0, 0] == 0, expected))
+
+
+def row_invariant_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if (
+        query.shape[0] != 1
+        or not 1 < q_len <= MAX_ROWS
+        or q_len >= kv_len
+        or kwargs.get("position_bias") is not None
+        or not _plain_causal_window(attention_mask, q_len, kv_len)
+    ):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    rows = []
+    for i in range(q_len):
+        seen = kv_len - q_len + i + 1
+        out, _ = sdpa_attention_forward(
+            module, query[:, :, i : i + 1], key[:, :, :seen], value[:, :, :seen], None, *args, **kwargs
+        )
+        rows.append(out)
+    return torch.cat(rows, dim=1), None
+
+
+def install(model) -> bool:
+    """Switch `model` from transformers' SDPA to the row-invariant form; False when it uses another attention."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    config = model.config
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", NAME):
+        return False
+    AttentionInterface.register(NAME, row_invariant_sdpa)
+    AttentionMaskInterface.register(NAME, sdpa_mask)  # the same masks SDPA gets
+    config._attn_implementation = NAME
+    return True
