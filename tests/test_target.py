@@ -116,3 +116,36 @@ def test_testbed_prefix_suffix_and_crop(testbed_target):
     target.forward(ids[:, : n - 3], cache)
     target.crop(cache, n - 8)
     torch.testing.assert_close(target.forward(ids[:, n - 8 :], cache), full[:, n - 8 :], atol=1e-4, rtol=0)
+
+
+@pytest.mark.testbed
+def test_a_bf16_window_scores_bit_for_bit_as_one_token_steps(testbed_target):
+    """mirror_train/attention.py: a window over a cache (any length, any split at ℓe) equals one-token decoding of
+    the same tokens bit for bit in bf16; with transformers' fused SDPA it does not (measured 0.6 in a logit)."""
+    target = testbed_target.cast(torch.bfloat16)
+    assert target.row_invariant
+    g = torch.Generator().manual_seed(0)
+    for context in (150, 301):
+        ids = torch.randint(0, target.vocab_size, (1, context + 5), generator=g)
+        cache = target.new_cache()
+        target.forward(ids[:, :context], cache)
+        one = torch.cat([target.forward(ids[:, context + i : context + i + 1], cache) for i in range(5)], dim=1)
+        for width, exit_layer in ((5, 15), (3, 7), (2, 29)):
+            target.crop(cache, context)
+            window = target.suffix(target.prefix(ids[:, context : context + width], cache, exit_layer))
+            assert torch.equal(window, one[:, :width]), (context, width)
+
+
+def test_row_invariant_attention_leaves_other_shapes_to_sdpa():
+    """Batches, prefill and trees (not a plain causal window at the end of a cache) take transformers' SDPA."""
+    from mirror_train.attention import _plain_causal_window
+
+    q, k = 3, 10
+    causal = torch.arange(k)[None, :] <= torch.arange(k - q, k)[:, None]
+    assert _plain_causal_window(None, q, k)
+    assert _plain_causal_window(causal[None, None], q, k)
+    assert _plain_causal_window(torch.where(causal, 0.0, float("-inf"))[None, None], q, k)
+    tree = causal.clone()
+    tree[2, k - 2] = False  # a sibling branch: not a plain window
+    assert not _plain_causal_window(tree[None, None], q, k)
+    assert not _plain_causal_window(causal[None, None].expand(2, 1, q, k), q, k)
