@@ -420,9 +420,9 @@ class MirrorEngine:
             if use_draft and not conditioned:  # the draft prefills while the target does
                 use_draft = start_draft(None)
             cache, head_cache = target.new_cache(), head.new_cache()
-            # The whole prompt in one pass (transformers' generate does the same, and in bf16 a prompt split
-            # otherwise rounds otherwise); its last row gives the first token. A conditioned draft gets the prompt's
-            # states but the last as soon as the prefix has them (the last goes with the first verdict).
+            # The whole prompt in one pass, as transformers' generate does (in bf16 a prompt fed in two parts
+            # rounds differently); its last row gives the first token. A conditioned draft gets the prompt's states
+            # but the last as soon as the prefix has them (the last goes with the first verdict).
             on_exit = (lambda states: start_draft(states[0, :-1])) if conditioned else None
             hidden, last = target.prefill(torch.tensor([ids], device=device), cache, self.exit_layer, on_exit)
             if head_cache is not None:
