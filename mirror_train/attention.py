@@ -5,7 +5,7 @@ a time. Matmuls do (every row of a GEMM is its own dot products), but PyTorch's 
 kernel for a k-row causal window blocks and reduces differently from the one-row decoding kernel. In float32 the
 difference is ~1e-5 in a logit and never flipped a greedy token we measured; in bfloat16 every layer rounds it into
 the residual stream and it reached 0.6 in a logit, enough to change the greedy token at 2 of 30 random positions
-(scripts/bench_engine.py and tests/test_attention.py measure it). So for a window over a cache, this
+(tests/test_target.py checks the bf16 window bit for bit). So for a window over a cache, this
 attention runs each query row as its own one-row SDPA call over exactly the keys that row may see: bit for bit the
 call plain decoding makes. Everything else (prefill, padded batches, trees, no cache) goes to transformers' SDPA
 unchanged. The cost is k small attention calls instead of one (measured in docs/engine.md).

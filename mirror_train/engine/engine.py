@@ -513,12 +513,9 @@ class MirrorEngine:
                     stats.branch_ms, stats.fallback_ms = info.get("branch_ms", 0.0), info.get("fallback_ms", 0.0)
                     stats.draft_forwards = info.get("forwards", 0)
                 if window:
-                    ema = self._prefix_ms
-                    self._prefix_ms = stats.prefix_ms if ema is None else 0.8 * ema + 0.2 * stats.prefix_ms
+                    self._prefix_ms = _ema(self._prefix_ms, stats.prefix_ms)
                 if asked:
-                    self._suffix_ms = (
-                        stats.suffix_ms if self._suffix_ms is None else 0.8 * self._suffix_ms + 0.2 * stats.suffix_ms
-                    )
+                    self._suffix_ms = _ema(self._suffix_ms, stats.suffix_ms)
                 stats.predicted_ms = (
                     predicted_step_ms(
                         method if window else "ar",
@@ -535,6 +532,11 @@ class MirrorEngine:
                 if done:
                     return
                 pending, window = correction, next_window
+
+
+def _ema(mean: float | None, x: float) -> float:
+    """The step times the draft plans against: a moving average that follows the machine's drift."""
+    return x if mean is None else 0.8 * mean + 0.2 * x
 
 
 def _wire(states: torch.Tensor | None):

@@ -180,28 +180,33 @@ class DraftServer:
 
     def _fallback(self, info: dict):
         """Roll out the next window serially from the committed context; reply first, prune the cache after."""
-        spine = self.tokens[self.cached :]
-        features = self._paired(self.cached, len(spine)) if self.conditioned else None
+        committed = len(self.tokens) - self.cached
         start = time.perf_counter()
-        drafted, forwards = self.backend.rollout(spine, [(len(spine) - 1, None)], self.gamma, features)
-        self.window = drafted[0]
+        self.window, forwards = self._serial([], self.gamma)
         info = info | {"fallback_ms": (time.perf_counter() - start) * 1000, "forwards": forwards}
-        return ("window", self.window, info), lambda: self._keep(len(spine) - 1)
+        return ("window", self.window, info), lambda: self._keep(committed - 1)
 
     def _extend(self, partial: list[int], info: dict):
         """Reuse a branch rolled out short of γ and draft the rest serially: γ − depth passes, not a fallback's γ.
         Its drafted tokens have no target states yet: they read none (zeros), as in the rollout that made them."""
+        committed = len(self.tokens) - self.cached
+        start = time.perf_counter()
+        rest, forwards = self._serial(partial, self.gamma - len(partial))
+        self.window = partial + rest
+        info = info | {"reused": True, "fallback_ms": (time.perf_counter() - start) * 1000, "forwards": forwards}
+        return ("window", self.window, info), lambda: self._keep(committed - 1)
+
+    def _serial(self, tail: list[int], n: int) -> tuple[list[int], int]:
+        """Draft `n` tokens one branch deep after the committed tokens the cache lacks and the drafted `tail`
+        (whose tokens have no target states yet: they read none, zeros). Returns the tokens and the forwards."""
         committed = self.tokens[self.cached :]
-        spine = committed + partial
+        spine = committed + tail
         features = None
         if self.conditioned:
-            blank = torch.zeros(len(partial), self.states.width or self.window_states.shape[1])
-            features = torch.cat([self._paired(self.cached, len(committed)), blank])
-        start = time.perf_counter()
-        drafted, forwards = self.backend.rollout(spine, [(len(spine) - 1, None)], self.gamma - len(partial), features)
-        self.window = partial + drafted[0]
-        info = info | {"reused": True, "fallback_ms": (time.perf_counter() - start) * 1000, "forwards": forwards}
-        return ("window", self.window, info), lambda: self._keep(len(committed) - 1)
+            paired = self._paired(self.cached, len(committed))
+            features = torch.cat([paired, paired.new_zeros(len(tail), paired.shape[1])])
+        drafted, forwards = self.backend.rollout(spine, [(len(spine) - 1, None)], n, features)
+        return drafted[0], forwards
 
     def _then_look_ahead(self, keep: int, prefix_ms: float | None):
         """The work after a window is sent: prune the cache to the committed path, then (Mirror-SD) look ahead."""
@@ -225,17 +230,8 @@ class DraftServer:
             depth = max(0, min(depth, int(prefix_ms // max(per_pass, 1e-6))))
         if depth < 2:
             return
-        committed = self.tokens[self.cached :]
-        spine = committed + self.window
-        features = None
-        if self.conditioned:
-            if self.states.width is None:  # a one-token prompt: nothing to read yet
-                return
-            blank = torch.zeros(len(self.window), self.states.width)
-            features = torch.cat([self._paired(self.cached, len(committed)), blank])
-        drafted, _ = self.backend.rollout(spine, [(len(spine) - 1, None)], depth, features)
-        self.backend.keep(len(committed) - 1)  # as before: committed tokens but the newest
-        self.ahead = drafted[0]
+        self.ahead, _ = self._serial(self.window, depth)
+        self.backend.keep(len(self.tokens) - self.cached - 1)  # as before: committed tokens but the newest
 
     def _shape(self, ranked: list[tuple[int, int, float]], deadline_ms: float | None) -> tuple[int, int]:
         """(depth, branches) of this step's rollout: of the shapes that fit the target's suffix, the one that saves
