@@ -31,15 +31,16 @@ import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from mirror_train.data.features import FeatureCache
+from mirror_train.data.features import FeatureCache, pack_rows
 from mirror_train.errors import MirrorTrainError
-from mirror_train.losses import IGNORE_INDEX, lookahead_ce_loss, topk_kl_loss
+from mirror_train.losses import lookahead_ce_loss, topk_kl_loss
 from mirror_train.models.drafter import (
     MirrorDrafterForCausalLM,
     check_compatible,
     frequent_token_map,
     paired_features,
 )
+from mirror_train.models.multi_stream_attention import packed_causal_mask
 from mirror_train.models.proxy_head import ProxyHeadConfig
 from mirror_train.proxy_training import ProxyDataConfig, ProxyRunConfig, feature_dirs
 from mirror_train.training import LogConfig, OptimConfig, TrainConfig
@@ -198,18 +199,21 @@ def drafter_loss(model, batch: dict[str, torch.Tensor], cfg: DrafterTrainConfig)
     after each position, hidden (B, T, H_target) (read only by a feature-conditioned draft, paired: the input at t
     reads the state of t−1, and a `feature_dropout` share of positions reads none). Stream j at t is labelled by
     topk_ids[t+j, 0]: padding and labels past the window's end are ignored, as is an argmax outside a reduced
-    vocabulary.
+    vocabulary. The windows run packed into one row (`pack_rows`), each under its own causal mask and positions.
     """
     draft = _draft_of(model)
-    real = batch["mask"].bool()  # (B, T)
+    batch = pack_rows(batch)  # (1, N): no padding slot goes through the model
+    segments = batch["segments"]
     hidden = None
     if draft.fusion is not None:
-        withheld = torch.rand(real.shape, device=real.device) < cfg.feature_dropout if cfg.feature_dropout else None
-        hidden = paired_features(batch["hidden"], withheld)
-    out = model(batch["token_ids"], attention_mask=batch["mask"], target_hidden=hidden)
-    ids = draft.target_to_draft(batch["topk_ids"])  # (B, T, k) draft ids, -100 outside the draft vocabulary
-    argmax = ids[..., 0].masked_fill(~real, IGNORE_INDEX)  # (B, T): the target's choice of the token after t
-    ce = lookahead_ce_loss(out.logits, out.stream_logits, argmax, cfg.ce_weight, cfg.stream_weight)
+        withheld = torch.rand(segments.shape, device=segments.device) < cfg.feature_dropout
+        hidden = paired_features(batch["hidden"], withheld if cfg.feature_dropout else None, segments)
+    mask = packed_causal_mask(segments, torch.float32)
+    out = model(batch["token_ids"], position_ids=batch["position_ids"], attention_mask_4d=mask, target_hidden=hidden)
+    ids = draft.target_to_draft(batch["topk_ids"])  # (1, N, k) draft ids, -100 outside the draft vocabulary
+    real = batch["mask"].bool()  # (1, N), all true
+    argmax = ids[..., 0]  # (1, N): the target's choice of the token after each position
+    ce = lookahead_ce_loss(out.logits, out.stream_logits, argmax, cfg.ce_weight, cfg.stream_weight, segments)
     loss, parts = ce, {"ce": ce.item()}
     if cfg.kl_weight:
         kl = _draft_vocab_kl(out.logits, ids, batch["topk_logp"], real)

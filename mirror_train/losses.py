@@ -47,14 +47,16 @@ def lookahead_ce_loss(
     next_labels: torch.Tensor,
     main_weight: float = 1.0,
     stream_weight: float = 0.1,
+    segments: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """main_weight · CE(main stream) + stream_weight · Σ_j CE(stream j), each CE a mean over its labelled positions.
 
     logits (B, T, V); stream_logits (B, T, S, V) or None; next_labels (B, T) ids of the logits' vocabulary,
     -100 = ignore, aligned with the positions: position t's main stream is trained on next_labels[t] (its next
-    token) and its stream j on next_labels[t+j], so stream j has no label at the last j positions. A term without
-    any labelled position adds 0, not NaN (a reduced vocabulary can leave a small batch without one).
-    Returns a scalar.
+    token) and its stream j on next_labels[t+j], so stream j has no label at the last j positions. segments (B, T)
+    or None: for rows that pack several sequences, the sequence of each position; stream j at t has no label where
+    t+j lies in another sequence. A term without any labelled position adds 0, not NaN (a reduced vocabulary can
+    leave a small batch without one). Returns a scalar.
     """
     T = logits.shape[1]
     loss = logits.new_zeros((), dtype=torch.float32)
@@ -62,7 +64,10 @@ def lookahead_ce_loss(
         loss = loss + main_weight * _mean_ce(logits, next_labels)
     num_streams = 0 if stream_logits is None else stream_logits.shape[2]
     for j in range(1, min(num_streams, T - 1) + 1):
-        loss = loss + stream_weight * _mean_ce(stream_logits[:, : T - j, j - 1], next_labels[:, j:])
+        labels = next_labels[:, j:]
+        if segments is not None:
+            labels = labels.masked_fill(segments[:, j:] != segments[:, : T - j], IGNORE_INDEX)
+        loss = loss + stream_weight * _mean_ce(stream_logits[:, : T - j, j - 1], labels)
     return loss
 
 

@@ -321,6 +321,73 @@ def test_paired_features_read_the_state_before_each_position():
     assert torch.equal(dropped[0, 2], hidden[0, 1])
 
 
+@pytest.mark.parametrize("past,tree", [(0, False), (5, False), (3, True)])
+def test_stream_attention_equals_one_sdpa_call_over_the_stream_mask(past, tree):
+    """The streams' attention, computed over the main keys and each anchor's own streams, equals the one-call
+    reference: SDPA over [main ; all stream] keys under `stream_attention_mask`."""
+    import torch.nn.functional as F
+
+    from mirror_train.models.multi_stream_attention import (
+        _stream_attention,
+        causal_mask,
+        stream_attention_mask,
+        tree_mask,
+    )
+
+    torch.manual_seed(0)
+    B, nh, T, S, d = 2, 3, 4, 3, 8
+    if tree:
+        main_mask = tree_mask([-1, 0, -1, 2], past, T, torch.float32)[0].expand(B, 1, -1, -1)
+    else:
+        main_mask = causal_mask(past, T, None, torch.float32, torch.device("cpu")).expand(B, 1, -1, -1)
+    qs, ks, vs = (torch.randn(B, nh, T * S, d) for _ in range(3))
+    k, v = torch.randn(B, nh, past + T, d), torch.randn(B, nh, past + T, d)
+    reference = F.scaled_dot_product_attention(
+        qs, torch.cat([k, ks], 2), torch.cat([v, vs], 2), attn_mask=stream_attention_mask(main_mask, S), scale=0.3
+    )
+    torch.testing.assert_close(_stream_attention(qs, ks, vs, k, v, main_mask, S, 0.3), reference, atol=1e-5, rtol=0)
+
+
+def test_a_packed_row_computes_each_window_alone(llama):
+    """Training packs windows of different lengths into one row (no padding slot runs through the model): under
+    the block-causal mask, with positions restarting and states paired inside each window, main and stream logits
+    equal each window's own forward."""
+    from mirror_train.data.features import pack_rows
+    from mirror_train.models.multi_stream_attention import packed_causal_mask
+
+    draft = drafter(llama, feature_conditioning="target_hidden", target_exit_layer=2)
+    with torch.no_grad():
+        draft.fusion.proj.weight[:, 32:].normal_(std=0.3)
+    lengths = [6, 3, 5]
+    windows = [(tokens(n, seed=n), torch.randn(1, n, 32)) for n in lengths]
+    T = max(lengths)
+    padded = {
+        "token_ids": torch.zeros(3, T, dtype=torch.long),
+        "hidden": torch.zeros(3, T, 32),
+        "mask": torch.zeros(3, T, dtype=torch.long),
+    }
+    for row, (x, h) in enumerate(windows):
+        n = x.shape[1]
+        padded["token_ids"][row, :n], padded["hidden"][row, :n], padded["mask"][row, :n] = x[0], h[0], 1
+    packed = pack_rows(padded)
+    assert packed["token_ids"].shape == (1, sum(lengths))
+    assert packed["segments"][0].tolist() == [0] * 6 + [1] * 3 + [2] * 5
+    with torch.no_grad():
+        out = draft(
+            packed["token_ids"],
+            position_ids=packed["position_ids"],
+            attention_mask_4d=packed_causal_mask(packed["segments"], torch.float32),
+            target_hidden=paired_features(packed["hidden"], segments=packed["segments"]),
+        )
+        start = 0
+        for x, h in windows:
+            alone = draft(x, target_hidden=paired_features(h))
+            n = x.shape[1]
+            torch.testing.assert_close(out.logits[:, start : start + n], alone.logits, atol=1e-5, rtol=0)
+            torch.testing.assert_close(out.stream_logits[:, start : start + n], alone.stream_logits, atol=1e-5, rtol=0)
+            start += n
+
+
 def test_rollout_reads_the_roots_target_features(llama):
     draft = drafter(llama, feature_conditioning="target_hidden", target_exit_layer=2)
     with torch.no_grad():

@@ -42,19 +42,23 @@ CONSTANT_LR = ["optim.warmup_steps=0", "optim.min_lr_ratio=1.0"]
 
 
 class FixedDraft(torch.nn.Module):
-    """Stands in for a draft: fixed logits, the real vocabulary maps over `d2t`, no feature fusion."""
+    """Stands in for a draft: fixed logits, the real vocabulary maps over `d2t`, no feature fusion. Given `mask`,
+    its logits are per padded position and it answers the training loss's packed row with the real ones in order."""
 
     fusion = None
     target_to_draft = MirrorDrafterForCausalLM.target_to_draft
     draft_to_target = MirrorDrafterForCausalLM.draft_to_target
 
-    def __init__(self, logits, stream_logits, d2t, vocab_size):
+    def __init__(self, logits, stream_logits, d2t, vocab_size, mask=None):
         super().__init__()
         self.logits, self.stream_logits, self.d2t = logits, stream_logits, d2t
+        if mask is not None:
+            self.logits, self.stream_logits = logits[mask.bool()][None], stream_logits[mask.bool()][None]
         self.config = SimpleNamespace(vocab_size=vocab_size, num_streams=stream_logits.shape[2])
         self.device = torch.device("cpu")
 
-    def forward(self, input_ids, attention_mask=None, target_hidden=None):
+    def forward(self, input_ids, target_hidden=None, **kwargs):
+        assert input_ids.shape == self.logits.shape[:2]
         return SimpleNamespace(logits=self.logits, stream_logits=self.stream_logits)
 
 
@@ -85,7 +89,7 @@ def test_drafter_loss_matches_a_hand_computed_reference():
         "hidden": torch.zeros(B, T, 8),
     }
     cfg = DrafterTrainConfig(kl_weight=1.0, ce_weight=0.5, stream_weight=0.1)
-    loss, parts = drafter_loss(FixedDraft(logits, streams, d2t, vocab_size=5), batch, cfg)
+    loss, parts = drafter_loss(FixedDraft(logits, streams, d2t, vocab_size=5, mask=mask), batch, cfg)
 
     # the definitions, position by position, in plain floats
     kls, ce_main, ce_streams = [], [], {1: [], 2: []}

@@ -234,3 +234,20 @@ class FeatureCache:
             "topk_ids": torch.from_numpy(self.topk_ids[index].astype(np.int64)),
             "topk_logp": torch.from_numpy(self.topk_logp[index].astype(np.float32)),
         }
+
+
+def pack_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A right-padded batch of windows (as `FeatureCache.windows` gives it) as one row holding them one after another:
+    every tensor (B, T, ...) becomes (1, N, ...) over the N real positions, and `segments` (1, N) (which window) and
+    `position_ids` (1, N) (the position inside it) are added; `mask` becomes all ones.
+
+    Why: windows differ in length, and a padded batch computes every padding slot through the whole model (measured
+    on the default draft data: see docs/drafter.md). A model that reads `segments` through a block-causal mask
+    computes exactly what it computes on the padded rows.
+    """
+    real = batch["mask"].bool()  # (B, T)
+    rows = torch.arange(real.shape[0])[:, None].expand_as(real)
+    packed = {name: value[real][None] for name, value in batch.items()}  # row-major: the windows in order
+    packed["segments"] = rows[real][None]
+    packed["position_ids"] = (real.long().cumsum(1) - 1)[real][None]
+    return packed

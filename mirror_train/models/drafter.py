@@ -48,7 +48,6 @@ from mirror_train.losses import IGNORE_INDEX, speculative_streaming_loss
 from mirror_train.models.multi_stream_attention import (
     MultiStreamDecoderLayer,
     causal_mask,
-    stream_attention_mask,
     tree_mask,
 )
 from mirror_train.vocab import frequent_token_map  # noqa: F401  (part of this module's interface)
@@ -142,15 +141,22 @@ class MirrorDrafterOutput(ModelOutput):
     cache: DynamicCache | None = None
 
 
-def paired_features(hidden: torch.Tensor, withheld: torch.Tensor | None = None) -> torch.Tensor:
+def paired_features(
+    hidden: torch.Tensor, withheld: torch.Tensor | None = None, segments: torch.Tensor | None = None
+) -> torch.Tensor:
     """EAGLE's pairing of target states with draft inputs: out[:, t] = hidden[:, t-1], zeros at t = 0.
 
     hidden (B, T, H_target): the target's ℓe state of every position of each row (a row is one contiguous span of a
-    sequence); withheld (B, T) bool or None: positions whose paired state is zeroed, as for a token the draft rolled
-    out itself. Returns (B, T, H_target).
+    sequence, or several packed one after another: then segments (B, T) says which, and the first position of
+    each gets zeros too); withheld (B, T) bool or None: positions whose paired state is zeroed, as for a token the
+    draft rolled out itself. Returns (B, T, H_target).
     """
     out = torch.zeros_like(hidden)
     out[:, 1:] = hidden[:, :-1]
+    if segments is not None:
+        starts = torch.ones_like(segments, dtype=torch.bool)
+        starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+        withheld = starts if withheld is None else withheld | starts
     if withheld is not None:
         out = out.masked_fill(withheld[..., None], 0.0)
     return out
@@ -277,7 +283,6 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         if mask.shape[-2:] != (T, past + T):
             raise MirrorTrainError(f"attention mask covers {tuple(mask.shape[-2:])}, expected {(T, past + T)}")
         rope = self.rotary_emb(h, position_ids)  # (cos, sin), each (1 or B, T, head_dim)
-        s_mask = stream_attention_mask(mask, S) if S else None
 
         streams = None
         for i, layer in enumerate(self.layers):
@@ -293,7 +298,7 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
                 continue
             if i == self.first_stream_layer and S:
                 streams = h[:, :, None, :] + self.stream_embeddings.weight[:S]  # (B, T, S, H): h_t + P_j
-            h, streams = layer(h, streams, rope, mask, s_mask, cache)
+            h, streams = layer(h, streams, rope, mask, cache)
 
         if logits_index is not None:
             if labels is not None:

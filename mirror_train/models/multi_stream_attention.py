@@ -14,7 +14,8 @@ other only through their learned stream embeddings P_j and what they attend to, 
 the one its anchor already has, so no position beyond the main sequence is ever used.
 
 The masks are additive floats over [cached ; new] keys: `causal_mask` for a plain sequence, `tree_mask` for tree
-nodes (each attends to the committed context, its ancestors and itself), `stream_attention_mask` for the streams.
+nodes (each attends to the committed context, its ancestors and itself), `stream_attention_mask` for the streams
+(the one-call reference; `_stream_attention` computes the same without scoring the streams no query may see).
 Masked entries hold the dtype's minimum rather than -inf, so a fully masked row (a padding query) gets a harmless
 uniform attention instead of NaN.
 
@@ -51,6 +52,15 @@ def causal_mask(
     if padding is not None:
         allowed = allowed & padding.bool()[:, None, None, :]  # (B, 1, T, L+T)
     return _additive(allowed, dtype)
+
+
+def packed_causal_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The causal mask (B, 1, T, T) of rows that pack several sequences one after another: a position sees the
+    positions up to itself in its own sequence only. segments (B, T): each position's sequence, non-decreasing."""
+    T = segments.shape[1]
+    order = torch.arange(T, device=segments.device)
+    allowed = (order[None, :] <= order[:, None]) & (segments[:, :, None] == segments[:, None, :])  # (B, T, T)
+    return _additive(allowed[:, None], dtype)
 
 
 def tree_mask(
@@ -96,15 +106,14 @@ def multi_stream_attention(
     xs: torch.Tensor | None,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     main_mask: torch.Tensor,
-    stream_mask: torch.Tensor | None,
     cache=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Self-attention of the main stream and its lookahead streams with the weights of a LlamaAttention `attn`.
 
     x (B, T, H) normed main states; xs (B, T, S, H) normed stream states or None; position_embeddings the (cos, sin)
-    of the main positions, (B, T, d); main_mask (B, 1, T, L+T) additive over [cache ; new]; stream_mask from
-    `stream_attention_mask(main_mask, S)`. Appends the main K/V (only) to `cache` at `attn.layer_idx`.
-    Returns the attention outputs after o_proj: (B, T, H) and (B, T, S, H) or None.
+    of the main positions, (B, T, d); main_mask (B, 1, T, L+T) additive over [cache ; new]. Appends the main K/V
+    (only) to `cache` at `attn.layer_idx`. Returns the attention outputs after o_proj: (B, T, H) and (B, T, S, H)
+    or None.
     """
     B, T, _ = x.shape
     d = attn.head_dim
@@ -116,9 +125,8 @@ def multi_stream_attention(
     if cache is not None:
         k, v = cache.update(k, v, attn.layer_idx)  # (B, nkv, L+T, d)
     groups = attn.num_key_value_groups
-    out = F.scaled_dot_product_attention(
-        q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=main_mask, scale=attn.scaling
-    )  # (B, nh, T, d)
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (B, nh, L+T, d)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=main_mask, scale=attn.scaling)  # (B, nh, T, d)
     out = attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, H)
     if xs is None:
         return out, None
@@ -129,11 +137,42 @@ def multi_stream_attention(
     vs = attn.v_proj(xs).view(B, T * S, -1, d).transpose(1, 2)
     # Each stream token takes its anchor's rotation (see the module docstring).
     qs, ks = apply_rotary_pos_emb(qs, ks, cos.repeat_interleave(S, dim=1), sin.repeat_interleave(S, dim=1))
-    keys = repeat_kv(torch.cat([k, ks], dim=2), groups)  # (B, nh, L+T + T·S, d)
-    values = repeat_kv(torch.cat([v, vs], dim=2), groups)
-    out_s = F.scaled_dot_product_attention(qs, keys, values, attn_mask=stream_mask, scale=attn.scaling)
+    out_s = _stream_attention(qs, repeat_kv(ks, groups), repeat_kv(vs, groups), k, v, main_mask, S, attn.scaling)
     out_s = attn.o_proj(out_s.transpose(1, 2).reshape(B, T, S, -1))  # (B, T, S, H)
     return out, out_s
+
+
+def _stream_attention(
+    qs: torch.Tensor,
+    ks: torch.Tensor,
+    vs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    main_mask: torch.Tensor,
+    num_streams: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of the stream queries over the main keys their anchor sees and the streams 1..j at their anchor.
+
+    qs, ks, vs (B, nh, T·S, d) t-major; k, v (B, nh, K, d) the main keys; main_mask (B, 1, T, K) additive.
+    Returns (B, nh, T·S, d).
+
+    Why not one SDPA call over [main ; stream] keys (`stream_attention_mask`): stream (t, j) sees at most S stream
+    keys, yet that call scores all T·S of them, so it costs (T·S)·(K + T·S) against (T·S)·(K + S) here: on the
+    default draft's training rows the stream layer's attention was most of a step's attention time (docs/drafter.md).
+    """
+    B, nh, TS, d = qs.shape
+    S, T = num_streams, TS // num_streams
+    to_main = (qs @ k.transpose(-1, -2)).view(B, nh, T, S, -1) * scale  # (B, nh, T, S, K)
+    to_main = to_main + main_mask[:, :, :, None, :]  # stream (t, j) sees what main t sees
+    q5, k5, v5 = (x.view(B, nh, T, S, d) for x in (qs, ks, vs))
+    own = (q5 @ k5.transpose(-1, -2)) * scale  # (B, nh, T, S, S): (t, j) against (t, r)
+    later = torch.ones(S, S, dtype=torch.bool, device=qs.device).triu(1)  # r > j: a later stream, unseen
+    own = own.masked_fill(later, torch.finfo(own.dtype).min)
+    weights = torch.cat([to_main, own], dim=-1).float().softmax(-1).to(qs.dtype)  # (B, nh, T, S, K + S)
+    K = k.shape[2]
+    out = (weights[..., :K].reshape(B, nh, TS, K) @ v) + (weights[..., K:] @ v5).view(B, nh, TS, d)
+    return out
 
 
 class MultiStreamDecoderLayer(LlamaDecoderLayer):
@@ -148,13 +187,12 @@ class MultiStreamDecoderLayer(LlamaDecoderLayer):
         streams: torch.Tensor | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
-        stream_mask: torch.Tensor | None = None,
         cache=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden (B, T, H), streams (B, T, S, H) or None → the same two after this layer."""
         xs = None if streams is None else self.input_layernorm(streams)
         a, a_s = multi_stream_attention(
-            self.self_attn, self.input_layernorm(hidden), xs, position_embeddings, attention_mask, stream_mask, cache
+            self.self_attn, self.input_layernorm(hidden), xs, position_embeddings, attention_mask, cache
         )
         hidden = hidden + a
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
