@@ -66,3 +66,25 @@ def install(model) -> bool:
     AttentionMaskInterface.register(NAME, sdpa_mask)  # the same masks SDPA gets
     config._attn_implementation = NAME
     return True
+
+
+def gemm_row_invariant(model, widths=range(2, 9)) -> bool:
+    """Whether this CPU's (or GPU's) matmuls in the model's dtype give every row of a k-row product exactly what a
+    one-row product gives, for k in `widths`: probed on the first decoder layer's projections and the LM head.
+
+    Row-invariant attention makes a window exact only if the matmuls around it are too. Measured: bf16 GEMMs were
+    row-invariant on the AMX Xeon this project started on and were not on an AMD EPYC with AVX-512 bf16 (a 5-row
+    down_proj differed by ~1e-4 from one-row products); float32 MKL GEMMs differ by ~1e-5 (docs/engine.md).
+    """
+    linears = [m for m in model.get_decoder().layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    linears.append(model.get_output_embeddings())
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for linear in linears:
+            w = linear.weight
+            x = torch.randn(max(widths), w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
+            one = torch.cat([torch.nn.functional.linear(x[r : r + 1], w) for r in range(len(x))])
+            for k in widths:
+                if not torch.equal(torch.nn.functional.linear(x[:k], w), one[:k]):
+                    return False
+    return True

@@ -76,6 +76,9 @@ class Target:
         self._softcap = getattr(self.config, "final_logit_softcapping", None)
         # A window scored at once must equal the same tokens scored one by one, bit for bit (mirror_train/attention.py).
         self.row_invariant = attention.install(model)
+        # ... which also takes matmuls that round each row alike whatever the row count: a property of the hardware
+        # and dtype, probed once (float32 MKL GEMMs never are, by ~1e-5: no greedy flip was ever measured there).
+        self.exact_windows = self.row_invariant and attention.gemm_row_invariant(model)
 
     @classmethod
     def load(

@@ -16,6 +16,7 @@ import torch
 
 from mirror_train.engine import EngineConfig, MirrorEngine, SyntheticDraftConfig
 from mirror_train.models.drafter import MirrorDrafterForCausalLM
+from tests.conftest import INEXACT_GEMMS
 
 pytestmark = pytest.mark.testbed
 
@@ -165,6 +166,8 @@ def test_a_bfloat16_target_is_reproduced_bit_for_bit(testbed_target, untrained_d
     transformers' own generate, one prompt at a time (a padded batch rounds differently in bf16)."""
     target = testbed_target.cast(torch.bfloat16)
     assert target.row_invariant
+    if not target.exact_windows:
+        pytest.skip(INEXACT_GEMMS)
     from mirror_train.generation import stop_token_ids
 
     stops = stop_token_ids(target.tokenizer, target.config)

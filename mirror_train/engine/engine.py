@@ -183,6 +183,13 @@ class MirrorEngine:
         self.config = cfg = config or EngineConfig()
         cfg.validate()
         self.target = target
+        if target.dtype != torch.float32 and not getattr(target, "exact_windows", True):
+            warnings.warn(
+                f"the target computes in {target.dtype} and this machine's matmuls round a row differently by how "
+                "many rows a product has: a verification window can differ from one-token decoding (~1e-4 in bf16) "
+                "and flip a greedy near-tie. Serve the target in float32 here for outputs equal to plain decoding.",
+                stacklevel=2,
+            )
         self.head = self._bind_head(proxy_head)
         if cfg.kappa > target.vocab_size:
             raise MirrorTrainError(f"kappa={cfg.kappa} exceeds the vocabulary ({target.vocab_size})")
