@@ -355,14 +355,20 @@ def test_scratch_init_is_random_and_trains_its_embeddings(caches, tiny_target):
 
 
 # --- the shipped config ----------------------------------------------------------------------------------------------
-def test_shipped_drafter_config_parses_and_shares_the_proxy_heads_data():
+def test_shipped_drafter_config_parses_and_differs_from_the_proxy_heads_data_only_in_answers():
+    """The default draft is data-limited and makes 4x the proxy head's self-distilled answers, in a directory of its
+    own (a shared one would refuse the other settings); everything else about its data is the proxy head's."""
     path = ROOT / "recipes" / "configs" / "drafter_smollm2.yaml"
     assert path.read_text().startswith("# accelerate launch recipes/drafter.py --config " + str(path.relative_to(ROOT)))
     cfg = load_config(DrafterRunConfig, path)
     proxy = load_config(ProxyRunConfig, ROOT / "recipes" / "configs" / "proxy_head_smollm2.yaml")
-    sampling = ("train_on", "answer_repeat")  # how a run samples the caches, not what they hold
-    made = {k: v for k, v in asdict(cfg.data).items() if k not in sampling}
-    assert made == {k: v for k, v in asdict(proxy.data).items() if k not in sampling}, (
-        "the draft reuses the proxy head's caches only with the same data settings"
-    )
+    assert cfg.data.dir != proxy.data.dir
+    assert cfg.data.selfdistill.num_prompts == 4 * proxy.data.selfdistill.num_prompts
+    own = ("dir", "train_on", "answer_repeat")  # where the caches live and how a run samples them
+    draft_data, proxy_data = asdict(cfg.data), asdict(proxy.data)
+    for data in (draft_data, proxy_data):
+        data["selfdistill"].pop("num_prompts")
+    assert {k: v for k, v in draft_data.items() if k not in own} == {
+        k: v for k, v in proxy_data.items() if k not in own
+    }
     assert (cfg.model.exit_layer or 30 // 2) == proxy.head.exit_layer  # the testbed has 30 layers
