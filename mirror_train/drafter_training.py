@@ -206,8 +206,10 @@ def drafter_loss(model, batch: dict[str, torch.Tensor], cfg: DrafterTrainConfig)
     segments = batch["segments"]
     hidden = None
     if draft.fusion is not None:
-        withheld = torch.rand(segments.shape, device=segments.device) < cfg.feature_dropout
-        hidden = paired_features(batch["hidden"], withheld if cfg.feature_dropout else None, segments)
+        withheld = (
+            torch.rand(segments.shape, device=segments.device) < cfg.feature_dropout if cfg.feature_dropout else None
+        )
+        hidden = paired_features(batch["hidden"], withheld, segments)
     mask = packed_causal_mask(segments, torch.float32)
     out = model(batch["token_ids"], position_ids=batch["position_ids"], attention_mask_4d=mask, target_hidden=hidden)
     ids = draft.target_to_draft(batch["topk_ids"])  # (1, N, k) draft ids, -100 outside the draft vocabulary

@@ -16,6 +16,7 @@ rotary tables (Gemma 3) are read from the model, and Gemma's final logit soft-ca
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from dataclasses import dataclass
@@ -76,9 +77,6 @@ class Target:
         self._softcap = getattr(self.config, "final_logit_softcapping", None)
         # A window scored at once must equal the same tokens scored one by one, bit for bit (mirror_train/attention.py).
         self.row_invariant = attention.install(model)
-        # ... which also takes matmuls that round each row alike whatever the row count: a property of the hardware
-        # and dtype, probed once (float32 MKL GEMMs never are, by ~1e-5: no greedy flip was ever measured there).
-        self.exact_windows = self.row_invariant and attention.gemm_row_invariant(model)
 
     @classmethod
     def load(
@@ -124,6 +122,14 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
+
+    @functools.cached_property
+    def exact_windows(self) -> bool:
+        """Whether a window scored at once equals its one-token steps bit for bit: row-invariant attention and
+        matmuls that round each row alike whatever the row count, a property of the hardware and dtype (float32 MKL
+        GEMMs never are, by ~1e-5: no greedy flip was ever measured there). Probed on first use (~1 s in bf16
+        without AMX), not at load: only a low-precision target served by the engine asks."""
+        return self.row_invariant and attention.gemm_row_invariant(self.model)
 
     def check_exit_layer(self, exit_layer: int) -> int:
         return check_exit_layer(exit_layer, self.num_layers)

@@ -183,7 +183,7 @@ class MirrorEngine:
         self.config = cfg = config or EngineConfig()
         cfg.validate()
         self.target = target
-        if target.dtype != torch.float32 and not getattr(target, "exact_windows", True):
+        if target.dtype != torch.float32 and not target.exact_windows:
             warnings.warn(
                 f"the target computes in {target.dtype} and this machine's matmuls round a row differently by how "
                 "many rows a product has: a verification window can differ from one-token decoding (~1e-4 in bf16) "

@@ -158,8 +158,8 @@ def _stream_attention(
     Returns (B, nh, T·S, d).
 
     Why not one SDPA call over [main ; stream] keys (`stream_attention_mask`): stream (t, j) sees at most S stream
-    keys, yet that call scores all T·S of them, so it costs (T·S)·(K + T·S) against (T·S)·(K + S) here: on the
-    default draft's training rows the stream layer's attention was most of a step's attention time (docs/drafter.md).
+    keys, yet that call scores all T·S of them, so it costs (T·S)·(K + T·S) against (T·S)·(K + S) here (measured in
+    docs/drafter.md: fwd + bwd 110 → 57–75 ms on a mean training row of 415 positions, γ' = 2).
     """
     B, nh, TS, d = qs.shape
     S, T = num_streams, TS // num_streams
