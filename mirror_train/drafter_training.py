@@ -2,12 +2,19 @@
 
 `recipes/drafter.py` strings these together; everything here is importable and tested on its own.
 
-Data: the proxy head's (`proxy_training.prepare_data`): self-distilled answers, teacher-forced prompts and
-held-out Spec-Bench answers, cached once per target. Each cached position t holds the input token x_t, the target's
-top-k next-token log-probs (its distribution over x_{t+1}) and its hidden state at ℓe (read only by a
-feature-conditioned draft). The draft trains on the target's own choices, never on the human text:
+Data: the one pipeline (`data/pipeline.py`): self-distilled answers, teacher-forced prompts and held-out Spec-Bench
+answers, cached once per target. Each cached position t holds the input token x_t, the target's top-k next-token
+log-probs (its distribution over x_{t+1}) and its hidden states at ℓe and, for the freshest features, at the top
+(read only by a feature-conditioned draft). The draft trains on the target's own choices, never on the human text:
     main stream at t   kl_weight · KL(target top-k at t ‖ draft) + ce_weight · CE(target argmax at t)
     stream j at t      α · CE(target argmax at t+j), the target's next-token choice j positions later
+Training-time test (EAGLE-3; `train.ttt_steps` = K > 0): after the pass over the true context (step 0, every
+position reading the target's states of its predecessor), K more passes each move the rollout one token on: at
+step k the input at p reads, in the own slot, the draft's step k−1 state at p−1, and attends to the step-0
+positions ≤ p−k (the committed context the rollout started from) and to its own chain (p−k+j at step j ≤ k),
+exactly what a token the draft drafted k−1 tokens after a committed one sees when served. Its main stream is
+trained on the same label, weighted ttt_decay^k. The window a Mirror-SD branch hangs off has the target's ℓe
+states but no final ones: in each batch the first m ~ U{0..K} steps also read the ℓe state (`ttt_window_states`).
 Decisions the papers leave open:
 - KL to the target's top-k (renormalised over those k), as for the proxy head: the target's whole ranking is a
   richer label than its argmax, and the draft's greedy choice is what gets verified.
@@ -32,17 +39,18 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from mirror_train.data.features import FeatureCache, pack_rows
+from mirror_train.data.pipeline import DataConfig, cached_layers, feature_dirs
 from mirror_train.errors import MirrorTrainError
-from mirror_train.losses import lookahead_ce_loss, topk_kl_loss
+from mirror_train.losses import IGNORE_INDEX, lookahead_ce_loss, topk_kl_loss
 from mirror_train.models.drafter import (
+    FEATURE_SLOTS,
+    TARGET_SLOTS,
     MirrorDrafterForCausalLM,
     check_compatible,
     frequent_token_map,
     paired_features,
 )
-from mirror_train.models.multi_stream_attention import packed_causal_mask
-from mirror_train.models.proxy_head import ProxyHeadConfig
-from mirror_train.proxy_training import ProxyDataConfig, ProxyRunConfig, feature_dirs
+from mirror_train.models.multi_stream_attention import packed_causal_mask, ttt_mask
 from mirror_train.training import LogConfig, OptimConfig, TrainConfig
 
 ARTIFACT_KIND = "draft"
@@ -58,7 +66,11 @@ class DrafterModelConfig:
     num_streams: int = 2  # γ': lookahead streams, so one forward proposes 1 + γ' tokens
     num_stream_layers: int = 1  # N_s: the top N_s layers carry the streams
     draft_vocab_size: int | None = None  # None: the whole vocabulary; else the most frequent ids (EAGLE-3's d2t)
-    feature_conditioning: Literal["none", "target_hidden"] = "none"  # target_hidden: also read the target's ℓe state
+    feature_conditioning: Literal["none", "target_hidden"] = "none"  # target_hidden: also read the target's states
+    # target_hidden: which states each input reads (models/drafter.py): ["exit"] the target's ℓe state (ℓe-only);
+    # + "final" its final state where the target has finished a token (the freshest features); + "own" the draft's
+    # own state where no target state exists (the tokens it rolls out; train with train.ttt_steps > 0)
+    feature_slots: list[str] = field(default_factory=lambda: ["exit"])
     exit_layer: int | None = None  # ℓe of the feature cache (and of the conditioning); None: N/2, the proxy head's
     freeze_embeddings_and_head: bool = True  # the same agreement, 1.6× faster steps (shared/docs/testbed.md)
     lora_rank: int | None = None  # None: full fine-tune of the layers; else LoRA on their projections
@@ -75,6 +87,11 @@ class DrafterModelConfig:
             raise MirrorTrainError("draft_vocab_size and lora_rank must be ≥ 1 (or null)")
         if self.init == "scratch" and self.freeze_embeddings_and_head:
             raise MirrorTrainError("init=scratch needs freeze_embeddings_and_head=false: random ones would stay random")
+        if any(s not in FEATURE_SLOTS for s in self.feature_slots) or not set(self.feature_slots) & set(TARGET_SLOTS):
+            raise MirrorTrainError(
+                f"model.feature_slots: names among {', '.join(FEATURE_SLOTS)}, at least one of exit and final; "
+                f"got {self.feature_slots}"
+            )
 
 
 @dataclass
@@ -86,7 +103,10 @@ class DrafterTrainConfig(TrainConfig):
     stream_weight: float = 0.1  # α_j of every lookahead stream (the paper's value)
     feature_dropout: float = 0.2  # feature-conditioned drafts: the share of positions trained without their target
     # state, as the tokens a rollout drafts past the first have none (then one missing state in a row is 20% of
-    # positions, two 4%)
+    # positions, two 4%); with training-time test the rollout's tokens are trained as served instead
+    ttt_steps: int = 0  # training-time test (module docstring): rollout steps trained past the true context; 0 = off
+    ttt_decay: float = 0.8  # step k's loss weight is ttt_decay^k (EAGLE-3's)
+    ttt_window_states: bool = True  # the first m ~ U{0..K} steps also read the ℓe state, as a Mirror-SD window does
 
     def validate(self) -> None:
         super().validate()
@@ -94,6 +114,10 @@ class DrafterTrainConfig(TrainConfig):
             raise MirrorTrainError("train: loss weights must be ≥ 0, and kl_weight or ce_weight > 0 (the main stream)")
         if not 0 <= self.feature_dropout < 1:
             raise MirrorTrainError(f"train.feature_dropout must be in [0, 1), got {self.feature_dropout}")
+        if self.ttt_steps < 0 or not 0 < self.ttt_decay <= 1:
+            raise MirrorTrainError(
+                f"train: ttt_steps ≥ 0 and ttt_decay in (0, 1], got {self.ttt_steps} and {self.ttt_decay}"
+            )
 
 
 @dataclass
@@ -101,30 +125,38 @@ class DrafterRunConfig:
     output_dir: str = "outputs/drafter_smollm2"
     target: str = "testbed"
     model: DrafterModelConfig = field(default_factory=DrafterModelConfig)
-    data: ProxyDataConfig = field(default_factory=ProxyDataConfig)  # the proxy head's data, caches included
+    data: DataConfig = field(default_factory=DataConfig)  # shared with the proxy head when the settings agree
     train: DrafterTrainConfig = field(default_factory=DrafterTrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
 # --- data -----------------------------------------------------------------------------------------------------
-def data_view(cfg: DrafterRunConfig, target) -> ProxyRunConfig:
-    """The proxy-head run whose data stages and feature caches this draft shares: for `prepare_data`."""
+def data_layers(cfg: DrafterRunConfig, target) -> tuple[int, list[int]]:
+    """(ℓe, the layers the draft's feature caches hold): ℓe always (so a proxy head at the same ℓe shares the cache),
+    the target's final layer N when the draft reads the final slot, and `data.extra_layers`."""
     exit_layer = cfg.model.exit_layer if cfg.model.exit_layer is not None else target.num_layers // 2
     exit_layer = target.check_exit_layer(exit_layer)
-    head = ProxyHeadConfig(exit_layer=exit_layer)
-    return ProxyRunConfig(output_dir=cfg.output_dir, target=cfg.target, head=head, data=cfg.data)
+    final = [target.num_layers] if _reads_final(cfg.model) else []
+    return exit_layer, cached_layers(cfg.data, [exit_layer, *final])
 
 
-def open_caches(view: ProxyRunConfig) -> tuple[FeatureCache, FeatureCache]:
-    """The train and held-out feature caches `prepare_data(view, target)` built; both must hold the token ids."""
-    caches = tuple(FeatureCache(path, view.head.exit_layer) for path in feature_dirs(view))
+def open_caches(cfg: DrafterRunConfig, target) -> tuple[FeatureCache, FeatureCache]:
+    """The train and held-out feature caches `prepare_data` built for this draft (`data_layers`), opened on ℓe and,
+    for the final slot, on layer N (as `final`); both must hold the token ids."""
+    exit_layer, layers = data_layers(cfg, target)
+    extra = {"final": target.num_layers} if _reads_final(cfg.model) else None
+    caches = tuple(FeatureCache(path, exit_layer, extra) for path in feature_dirs(cfg.data, layers))
     for cache in caches:
         if cache.token_ids is None:
             raise MirrorTrainError(
                 f"{cache.path} predates cached token ids, which drafts train on; delete it to rebuild"
             )
     return caches
+
+
+def _reads_final(model: DrafterModelConfig) -> bool:
+    return model.feature_conditioning == "target_hidden" and "final" in model.feature_slots
 
 
 # --- the draft ------------------------------------------------------------------------------------------------
@@ -147,6 +179,7 @@ def build_draft(cfg: DrafterModelConfig, target, cache: FeatureCache) -> MirrorD
     config.target = target.signature().to_dict()
     if cfg.feature_conditioning == "target_hidden":
         config.feature_conditioning = cfg.feature_conditioning
+        config.feature_slots = list(cfg.feature_slots)
         config.target_hidden_size, config.target_exit_layer = target.hidden_size, cache.exit_layer
     draft = MirrorDrafterForCausalLM(config)  # random weights; a fusion starts as the identity on the embedding
     inherited = {k: v for k, v in donor.state_dict().items() if cfg.init != "scratch" or k == "d2t"}
@@ -190,37 +223,99 @@ def _draft_of(model) -> MirrorDrafterForCausalLM:
 
 
 # --- one step and evaluation ----------------------------------------------------------------------------------
+def target_states(draft, batch: dict[str, torch.Tensor], withheld: torch.Tensor | None = None) -> dict | None:
+    """What each position of a packed batch reads from the target at step 0 (EAGLE-paired: the state of t−1): its
+    ℓe state (exit slot) and final state (final slot), as the draft's slots ask; None for a token-only draft."""
+    if draft.fusion is None:
+        return None
+    segments = batch.get("segments")
+    sources = {"exit": "hidden", "final": "final"}
+    return {
+        slot: paired_features(batch[sources[slot]], withheld, segments)
+        for slot in draft.config.slots
+        if slot in sources
+    }
+
+
+def unrolled_forward(model, draft, batch: dict[str, torch.Tensor], states, steps: int, window_steps: int = 0):
+    """Step 0 over the true context, then `steps` training-time-test steps (module docstring) over a packed row.
+
+    batch: packed (`pack_rows`), (1, N) token_ids, position_ids, segments; states: step 0's target states (slot →
+    (1, N, w)) or None. Steps 1..window_steps also read the ℓe state (a Mirror-SD window). Returns the outputs of
+    steps 0..steps; step k's row p is valid where position_ids[p] ≥ k (its chain starts inside its sequence).
+    """
+    segments, positions, tokens = batch["segments"], batch["position_ids"], batch["token_ids"]
+    cache = draft.new_cache() if steps else None
+    out = model(
+        tokens,
+        position_ids=positions,
+        attention_mask_4d=packed_causal_mask(segments, torch.float32),
+        features=states,
+        cache=cache,
+    )
+    outs = [out]
+    slots = draft.config.slots
+    for k in range(1, steps + 1):
+        features = {}
+        if "own" in slots:
+            features["own"] = paired_features(out.hidden, segments=segments)  # the state that predicted x_p
+        if k <= window_steps and "exit" in slots:
+            features["exit"] = states["exit"]
+        out = model(
+            tokens,
+            position_ids=positions,
+            attention_mask_4d=ttt_mask(segments, k, torch.float32),
+            features=features or None,
+            cache=cache,
+            num_streams=0,
+        )
+        outs.append(out)
+    return outs
+
+
 def drafter_loss(model, batch: dict[str, torch.Tensor], cfg: DrafterTrainConfig) -> tuple[torch.Tensor, dict]:
-    """kl_weight · KL + ce_weight · CE on the main stream, + α Σ_j CE on the lookahead streams (module docstring);
-    returns (loss, logged parts: kl, ce = the weighted CE terms, loss).
+    """kl_weight · KL + ce_weight · CE on the main stream, + α Σ_j CE on the lookahead streams, + the
+    training-time-test steps' main-stream losses weighted ttt_decay^k (module docstring); returns (loss, logged
+    parts: kl, ce = the weighted CE terms of step 0, ttt = the weighted steps ≥ 1, loss).
 
     model: the draft, possibly wrapped (accelerate, peft). batch, as `FeatureCache.windows` gives it: token_ids
     (B, T), mask (B, T) 1 = real position, topk_ids / topk_logp (B, T, k) the target's distribution over the token
-    after each position, hidden (B, T, H_target) (read only by a feature-conditioned draft, paired: the input at t
-    reads the state of t−1, and a `feature_dropout` share of positions reads none). Stream j at t is labelled by
-    topk_ids[t+j, 0]: padding and labels past the window's end are ignored, as is an argmax outside a reduced
-    vocabulary. The windows run packed into one row (`pack_rows`), each under its own causal mask and positions.
+    after each position, hidden (B, T, H_target) the ℓe states and, for the final slot, final (B, T, H_target)
+    (read only by a feature-conditioned draft, paired: the input at t reads the states of t−1, and a
+    `feature_dropout` share of positions reads none). Stream j at t is labelled by topk_ids[t+j, 0]: padding and
+    labels past the window's end are ignored, as is an argmax outside a reduced vocabulary. The windows run packed
+    into one row (`pack_rows`), each under its own causal mask and positions.
     """
     draft = _draft_of(model)
     batch = pack_rows(batch)  # (1, N): no padding slot goes through the model
     segments = batch["segments"]
-    hidden = None
-    if draft.fusion is not None:
-        withheld = (
-            torch.rand(segments.shape, device=segments.device) < cfg.feature_dropout if cfg.feature_dropout else None
-        )
-        hidden = paired_features(batch["hidden"], withheld, segments)
-    mask = packed_causal_mask(segments, torch.float32)
-    out = model(batch["token_ids"], position_ids=batch["position_ids"], attention_mask_4d=mask, target_hidden=hidden)
+    withheld = None
+    if draft.fusion is not None and cfg.feature_dropout:
+        withheld = torch.rand(segments.shape, device=segments.device) < cfg.feature_dropout
+    states = target_states(draft, batch, withheld)
+    steps = cfg.ttt_steps if draft.fusion is not None else 0  # a token-only draft reads nothing to roll forward
+    window = int(torch.randint(0, steps + 1, ())) if steps and cfg.ttt_window_states else 0
+    outs = unrolled_forward(model, draft, batch, states, steps, window)
     ids = draft.target_to_draft(batch["topk_ids"])  # (1, N, k) draft ids, -100 outside the draft vocabulary
     real = batch["mask"].bool()  # (1, N), all true
     argmax = ids[..., 0]  # (1, N): the target's choice of the token after each position
+    out = outs[0]
     ce = lookahead_ce_loss(out.logits, out.stream_logits, argmax, cfg.ce_weight, cfg.stream_weight, segments)
     loss, parts = ce, {"ce": ce.item()}
     if cfg.kl_weight:
         kl = _draft_vocab_kl(out.logits, ids, batch["topk_logp"], real)
         loss = loss + cfg.kl_weight * kl
         parts["kl"] = kl.item()
+    if steps:
+        ttt = loss.new_zeros(())
+        for k, out in enumerate(outs[1:], start=1):
+            valid = real & (batch["position_ids"] >= k)
+            step = lookahead_ce_loss(out.logits, None, argmax.masked_fill(~valid, IGNORE_INDEX), cfg.ce_weight, 0.0)
+            if cfg.kl_weight:
+                step = step + cfg.kl_weight * _draft_vocab_kl(out.logits, ids, batch["topk_logp"], valid)
+            ttt = ttt + cfg.ttt_decay**k * step
+        loss = loss + ttt
+        parts["ttt"] = ttt.item()
     return loss, parts | {"loss": loss.item()}
 
 
@@ -241,33 +336,43 @@ def _draft_vocab_kl(
     return kl.sum() / rows.sum().clamp(min=1)
 
 
+EVAL_DEPTH = 4  # rollout steps scored held out: windows of 5 drafted tokens
+
+
 @torch.inference_mode()
-def evaluate_drafter(model, cache: FeatureCache) -> dict[str, float]:
+def evaluate_drafter(model, cache: FeatureCache, depth: int = EVAL_DEPTH) -> dict[str, float]:
     """Held-out agreement with the target's greedy choices over the cache's answer positions, each sequence whole.
 
-    top1: P(main argmax at t = the target's argmax at t); stream_j: P(stream j's argmax at t = the target's argmax
-    at t+j), over answer positions t whose t+j is in the same sequence; positions: answer positions counted.
-    A feature-conditioned draft reads every paired target state (as the first token a window drafts does), and
-    also reports top1_without_states: the same with none (a floor for the tokens a rollout drafts later).
+    top1: P(main argmax at t = the target's argmax at t), every paired target state read (the first token a window
+    drafts after a committed one); stream_j: P(stream j's argmax at t = the target's argmax at t+j), over answer
+    positions t whose t+j is in the same sequence; chain_k: the same for the token the draft rolls out k steps
+    after a committed answer position, reading what serving gives it there (its own states, or nothing), on the
+    true context; accept_len: the mean number of leading tokens of a (depth+1)-token window rolled out that way
+    that the target keeps (what serial SD keeps a window, bonus token excluded, were every window to start at a
+    committed position); positions: answer positions counted. A feature-conditioned draft also reports
+    top1_without_states: top1 with no target state at all.
     """
     draft = _draft_of(model)
-    metrics = _agreement(model, draft, cache, with_states=True)
+    metrics = _agreement(model, draft, cache, True, depth if draft.fusion is not None else 0, depth)
     if draft.fusion is not None:
-        metrics["top1_without_states"] = _agreement(model, draft, cache, with_states=False)["top1"]
+        metrics["top1_without_states"] = _agreement(model, draft, cache, False, 0, 0)["top1"]
     return metrics
 
 
-def _agreement(model, draft, cache: FeatureCache, with_states: bool) -> dict[str, float]:
+def _agreement(model, draft, cache: FeatureCache, with_states: bool, steps: int, depth: int) -> dict[str, float]:
     num = 1 + draft.config.num_streams
     hits, counts = torch.zeros(num), torch.zeros(num)
+    chain_hits, chain_counts = torch.zeros(depth + 1), torch.zeros(depth + 1)
+    accepted, windows = 0.0, 0
     for s in range(cache.num_sequences):
         lo, hi = int(cache.offsets[s]), int(cache.offsets[s + 1])
         answers = torch.from_numpy(np.array(cache.is_answer[lo:hi]))  # (T,), a copy: the memory map is read-only
         if not answers.any():
             continue
-        batch = {k: v.to(draft.device) for k, v in cache.windows([(lo, hi)]).items()}
-        states = paired_features(batch["hidden"]) if draft.fusion is not None and with_states else None
-        out = model(batch["token_ids"], target_hidden=states)
+        batch = pack_rows({k: v.to(draft.device) for k, v in cache.windows([(lo, hi)]).items()})
+        states = target_states(draft, batch) if with_states else None
+        outs = unrolled_forward(model, draft, batch, states, steps)
+        out = outs[0]
         guesses = [out.logits[0]] + [out.stream_logits[0, :, j] for j in range(num - 1)]  # each (T, V_draft)
         target_argmax = batch["topk_ids"][0, :, 0].cpu()  # (T,)
         for j, logits in enumerate(guesses):
@@ -276,8 +381,30 @@ def _agreement(model, draft, cache: FeatureCache, with_states: bool) -> dict[str
             counted = answers[:n]
             hits[j] += (guess[:n] == target_argmax[j:])[counted].sum()
             counts[j] += counted.sum()
+        if not depth:
+            continue
+        # correct[k][a]: the token drafted k steps after anchor a (step k at position a + k) is the target's
+        T = hi - lo
+        correct = []
+        for k in range(depth + 1):
+            step_out = outs[min(k, len(outs) - 1)]  # a draft that reads nothing rolls forward as step 0
+            guess = draft.draft_to_target(step_out.logits[0].argmax(-1)).cpu()
+            correct.append(guess[k:] == target_argmax[k:])  # (T − k,), indexed by the anchor
+        anchors = answers[: T - depth]  # answer positions with a whole window inside the sequence
+        run = torch.ones(T - depth, dtype=torch.bool)
+        for k in range(depth + 1):
+            run &= correct[k][: T - depth]
+            chain_hits[k] += (correct[k][: T - depth] & anchors).sum()
+            chain_counts[k] += anchors.sum()
+            accepted += float((run & anchors).sum())
+        windows += int(anchors.sum())
     rates = (hits / counts.clamp(min=1)).tolist()
-    return {"top1": rates[0], **{f"stream_{j}": rates[j] for j in range(1, num)}, "positions": int(counts[0])}
+    metrics = {"top1": rates[0], **{f"stream_{j}": rates[j] for j in range(1, num)}}
+    chain = (chain_hits / chain_counts.clamp(min=1)).tolist()
+    metrics |= {f"chain_{k}": chain[k] for k in range(1, depth + 1)}
+    if depth:
+        metrics["accept_len"] = accepted / max(windows, 1)
+    return metrics | {"positions": int(counts[0])}
 
 
 # --- the artifact ---------------------------------------------------------------------------------------------

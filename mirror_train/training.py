@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from mirror_train.errors import MirrorTrainError
@@ -128,14 +127,6 @@ def all_agree(accelerator, flag: bool) -> bool:
 def set_lr(optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def batch_indices(step: int, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> np.ndarray:
-    """Rows of the global batch at `step` that process `rank` of `world` takes (a function of step alone)."""
-    per_epoch = max(n // batch_size, 1)
-    epoch, i = divmod(step, per_epoch)
-    perm = np.random.default_rng(seed + epoch).permutation(n)
-    return perm[i * batch_size : (i + 1) * batch_size][rank::world]
 
 
 class Checkpoints:

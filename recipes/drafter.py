@@ -2,10 +2,11 @@
 
     accelerate launch recipes/drafter.py --config recipes/configs/drafter_smollm2.yaml [key=value ...]
 
-setup (config, target, the proxy head's data and feature caches, the draft: init, reduced vocabulary, freezing or
-LoRA) → loop (KL to the target's top-k on the main stream, CE on the target's later choices on the lookahead
-streams, held-out agreement, checkpoints; resumes from the newest checkpoint in output_dir) → export (a
-self-describing artifact in output_dir/export that `AutoModelForCausalLM` and `load_draft` load).
+setup (config, target, the data and feature caches, shared with the proxy head's, the draft: init, reduced
+vocabulary, freezing or LoRA) → loop (KL to the target's top-k on the main stream, CE on the target's later
+choices on the lookahead streams, the training-time-test steps, held-out agreement, checkpoints; resumes from the
+newest checkpoint in output_dir) → export (a self-describing artifact in output_dir/export that
+`AutoModelForCausalLM` and `load_draft` load).
 """
 
 import argparse
@@ -14,17 +15,18 @@ from pathlib import Path
 import torch
 
 from mirror_train.config import config_to_dict, load_config, parse_overrides, save_config
+from mirror_train.data.pipeline import prepare_data
+from mirror_train.data.samplers import WindowSampler
 from mirror_train.drafter_training import (
     DrafterRunConfig,
     build_draft,
-    data_view,
+    data_layers,
     drafter_loss,
     evaluate_drafter,
     open_caches,
     save_draft,
 )
 from mirror_train.errors import MirrorTrainError
-from mirror_train.proxy_training import WindowSampler, prepare_data
 from mirror_train.target import Target
 from mirror_train.training import (
     make_accelerator,
@@ -40,12 +42,11 @@ def main(cfg: DrafterRunConfig) -> None:
 
     # --- setup: the target, the shared data (main process builds; the others wait), the draft --------------------
     target = Target.load(cfg.target)
-    data = data_view(cfg, target)
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
-        prepare_data(data, target)
+        prepare_data(cfg.data, target, data_layers(cfg, target)[1])
     accelerator.wait_for_everyone()
-    train, heldout = open_caches(data)
+    train, heldout = open_caches(cfg, target)
     sampler = WindowSampler(train, cfg.train.batch_size, cfg.train.seed, cfg.train.window, cfg.data.answer_repeat)
 
     torch.manual_seed(cfg.train.seed)  # here, not earlier: data generation (when it runs) draws random numbers too

@@ -12,19 +12,11 @@ from pathlib import Path
 import torch
 
 from mirror_train.config import config_to_dict, load_config, parse_overrides, save_config
-from mirror_train.data.features import FeatureCache
+from mirror_train.data.pipeline import cached_layers, open_caches, prepare_data
+from mirror_train.data.samplers import PositionSampler, WindowSampler, training_positions
 from mirror_train.errors import MirrorTrainError
 from mirror_train.models.proxy_head import ProxyHead, save_proxy_head
-from mirror_train.proxy_training import (
-    PositionSampler,
-    ProxyRunConfig,
-    WindowSampler,
-    evaluate,
-    feature_dirs,
-    prepare_data,
-    proxy_loss,
-    training_positions,
-)
+from mirror_train.proxy_training import ProxyRunConfig, evaluate, proxy_loss
 from mirror_train.target import Target
 from mirror_train.training import (
     make_accelerator,
@@ -42,13 +34,12 @@ def main(cfg: ProxyRunConfig) -> None:
 
     # --- setup: the target, its data (main process builds; the others wait), the head -------------------------
     target = Target.load(cfg.target)
-    target.check_exit_layer(cfg.head.exit_layer)
+    layers = cached_layers(cfg.data, [target.check_exit_layer(cfg.head.exit_layer)])
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
-        prepare_data(cfg, target)
+        prepare_data(cfg.data, target, layers)
     accelerator.wait_for_everyone()
-    train_dir, heldout_dir = feature_dirs(cfg)
-    train, heldout = FeatureCache(train_dir, cfg.head.exit_layer), FeatureCache(heldout_dir, cfg.head.exit_layer)
+    train, heldout = open_caches(cfg.data, layers, cfg.head.exit_layer)
     if cfg.head.kind == "attention":
         sampler = WindowSampler(train, cfg.train.batch_size, cfg.train.seed, cfg.train.window, cfg.data.answer_repeat)
     else:

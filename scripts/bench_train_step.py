@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from mirror_train.config import load_config, parse_overrides
-from mirror_train.drafter_training import DrafterRunConfig, build_draft, data_view, drafter_loss, open_caches
-from mirror_train.proxy_training import WindowSampler
+from mirror_train.data.samplers import WindowSampler
+from mirror_train.drafter_training import DrafterRunConfig, build_draft, drafter_loss, open_caches
 from mirror_train.target import Target
 from mirror_train.training import trainable_parameters
 
@@ -33,7 +33,7 @@ def main() -> None:
     cfg = load_config(DrafterRunConfig, args.config, parse_overrides(rest))
 
     target = Target.load(cfg.target)
-    train, _ = open_caches(data_view(cfg, target))
+    train, _ = open_caches(cfg, target)
     sampler = WindowSampler(train, cfg.train.batch_size, cfg.train.seed, cfg.train.window, cfg.data.answer_repeat)
     batches = [sampler.batch(s) for s in range(min(sampler.steps_per_epoch, 2000))]
     real = sum(int(b["mask"].sum()) for b in batches)

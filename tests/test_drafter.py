@@ -149,9 +149,9 @@ def test_save_pretrained_round_trips_through_auto_model(llama, tmp_path, kwargs)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(loaded) is MirrorDrafterForCausalLM
     x = tokens(6)
-    features = torch.randn(1, 6, 32) if draft.fusion is not None else None
+    features = {"exit": torch.randn(1, 6, 32)} if draft.fusion is not None else None
     with torch.no_grad():
-        a, b = draft(x, target_hidden=features), loaded(x, target_hidden=features)
+        a, b = draft(x, features=features), loaded(x, features=features)
     assert torch.equal(a.logits, b.logits) and torch.equal(a.stream_logits, b.stream_logits)
     if "draft_vocab" in kwargs:
         assert torch.equal(loaded.d2t, torch.tensor(kwargs["draft_vocab"]))
@@ -298,16 +298,16 @@ def test_feature_fusion_starts_as_the_token_only_model(llama):
     features = torch.randn(1, 7, 32)
     with torch.no_grad():
         reference = plain(x)
-        at_init = conditioned(x, target_hidden=features)
+        at_init = conditioned(x, features={"exit": features})
         assert torch.equal(at_init.logits, reference.logits)
         assert torch.equal(at_init.stream_logits, reference.stream_logits)
         conditioned.fusion.proj.weight[:, 32:].normal_(std=0.1)
-        trained = conditioned(x, target_hidden=features)
+        trained = conditioned(x, features={"exit": features})
         without = conditioned(x)  # no features: zeros, so the token half alone
     assert not torch.allclose(trained.logits, reference.logits)
     torch.testing.assert_close(without.logits, reference.logits, atol=1e-5, rtol=0)
     with pytest.raises(MirrorTrainError, match="feature_conditioning='none'"):
-        plain(x, target_hidden=features)
+        plain(x, features={"exit": features})
 
 
 def test_paired_features_read_the_state_before_each_position():
@@ -377,11 +377,11 @@ def test_a_packed_row_computes_each_window_alone(llama):
             packed["token_ids"],
             position_ids=packed["position_ids"],
             attention_mask_4d=packed_causal_mask(packed["segments"], torch.float32),
-            target_hidden=paired_features(packed["hidden"], segments=packed["segments"]),
+            features={"exit": paired_features(packed["hidden"], segments=packed["segments"])},
         )
         start = 0
         for x, h in windows:
-            alone = draft(x, target_hidden=paired_features(h))
+            alone = draft(x, features={"exit": paired_features(h)})
             n = x.shape[1]
             torch.testing.assert_close(out.logits[:, start : start + n], alone.logits, atol=1e-5, rtol=0)
             torch.testing.assert_close(out.stream_logits[:, start : start + n], alone.stream_logits, atol=1e-5, rtol=0)
@@ -395,9 +395,10 @@ def test_rollout_reads_the_roots_target_features(llama):
     context = tokens(5)
     roots = [[1], [2, 3]]
     features = [torch.randn(1, 32), torch.randn(2, 32)]
-    batched = draft.rollout(prefill(draft, context), roots, gamma=3, root_hidden=features)
+    batched = draft.rollout(prefill(draft, context), roots, gamma=3, features={"exit": torch.cat(features)})
     for root, feature, result in zip(roots, features, batched):
-        assert result.tokens == draft.rollout(prefill(draft, context), [root], gamma=3, root_hidden=[feature])[0].tokens
+        alone = draft.rollout(prefill(draft, context), [root], gamma=3, features={"exit": feature})
+        assert result.tokens == alone[0].tokens
     unconditioned = draft.rollout(prefill(draft, context), roots, gamma=3)
     assert [r.logprobs for r in unconditioned] != [r.logprobs for r in batched]
 
@@ -423,7 +424,7 @@ def test_a_scratch_draft_trains_its_streams():
     assert 0 < draft.stream_embeddings.weight.std() < 0.05
     assert torch.equal(draft.fusion.proj.weight, torch.eye(32, 80))
     x = tokens(12, batch=2)
-    out = draft(x, target_hidden=torch.randn(2, 12, 48), labels=x)
+    out = draft(x, features={"exit": torch.randn(2, 12, 48)}, labels=x)
     assert out.loss.ndim == 0 and torch.isfinite(out.loss)
     out.loss.backward()
     assert draft.stream_embeddings.weight.grad.abs().sum() > 0
@@ -481,3 +482,48 @@ def test_bad_rollout_arguments_are_refused(llama):
         draft(tokens(3), num_streams=3)
     with pytest.raises(MirrorTrainError, match="parent"):
         draft.tree_forward([1, 2], [-1, 1], cache)
+
+
+# --- training-time test: what training shows a rolled-out token is what serving gives it -------------------------
+@pytest.mark.parametrize("slots", [["exit", "own"], ["exit", "final", "own"], ["exit"]])
+def test_a_training_time_test_step_equals_the_served_rollout(llama, slots):
+    """Step k at position p (unrolled_forward over a packed row) = the draft served: the context up to p−k fed with
+    its target states, then the chain p−k+1..p fed one token at a time, each reading the state that predicted it
+    (and, for the first `window` steps, the ℓe state, as a Mirror-SD window's tokens do)."""
+    from mirror_train.drafter_training import unrolled_forward
+
+    torch.manual_seed(0)
+    draft = drafter(llama, num_streams=1, num_stream_layers=1, feature_conditioning="target_hidden")
+    draft.config.feature_slots = slots
+    draft = MirrorDrafterForCausalLM(draft.config).eval()  # fusion with these slots, random weights
+    T, H, steps, window = 12, llama.config.hidden_size, 3, 2
+    x = tokens(T, seed=3)
+    exit_states, final_states = torch.randn(1, T, H), torch.randn(1, T, H)
+    batch = {
+        "token_ids": x,
+        "position_ids": torch.arange(T)[None],
+        "segments": torch.zeros(1, T, dtype=torch.long),
+    }
+    states = {"exit": paired_features(exit_states), "final": paired_features(final_states)}
+    states = {slot: states[slot] for slot in slots if slot in states}
+    with torch.no_grad():
+        outs = unrolled_forward(draft, draft, batch, states, steps, window)
+    for k in range(1, steps + 1):
+        for p in range(k, T):
+            anchor = p - k
+            cache = draft.new_cache()
+            with torch.no_grad():
+                out = draft(x[:, : anchor + 1], cache=cache, num_streams=0, features={
+                    slot: f[:, : anchor + 1] for slot, f in states.items()
+                })
+                own = out.hidden[:, -1:]  # the state that predicted x[anchor + 1]
+                for j in range(1, k + 1):
+                    q = anchor + j
+                    features = {}
+                    if "own" in slots:
+                        features["own"] = own
+                    if j <= window and "exit" in slots:
+                        features["exit"] = states["exit"][:, q : q + 1]
+                    out = draft(x[:, q : q + 1], cache=cache, num_streams=0, features=features or None)
+                    own = out.hidden
+            torch.testing.assert_close(outs[k].logits[0, p], out.logits[0, 0], atol=1e-5, rtol=1e-4)

@@ -23,7 +23,6 @@ from mirror_train.drafter_training import (
     DrafterRunConfig,
     DrafterTrainConfig,
     build_draft,
-    data_view,
     drafter_loss,
     evaluate_drafter,
     load_draft,
@@ -54,10 +53,10 @@ class FixedDraft(torch.nn.Module):
         self.logits, self.stream_logits, self.d2t = logits, stream_logits, d2t
         if mask is not None:
             self.logits, self.stream_logits = logits[mask.bool()][None], stream_logits[mask.bool()][None]
-        self.config = SimpleNamespace(vocab_size=vocab_size, num_streams=stream_logits.shape[2])
+        self.config = SimpleNamespace(vocab_size=vocab_size, num_streams=stream_logits.shape[2], slots=[])
         self.device = torch.device("cpu")
 
-    def forward(self, input_ids, target_hidden=None, **kwargs):
+    def forward(self, input_ids, features=None, **kwargs):
         assert input_ids.shape == self.logits.shape[:2]
         return SimpleNamespace(logits=self.logits, stream_logits=self.stream_logits)
 
@@ -133,10 +132,14 @@ def test_evaluate_counts_main_and_stream_agreement_on_answer_positions():
             "token_ids": torch.zeros(1, 4, dtype=torch.long),
             "topk_ids": argmax[None, :, None],
             "hidden": torch.zeros(1, 4, 2),
+            "mask": torch.ones(1, 4, dtype=torch.long),
         },
     )
-    metrics = evaluate_drafter(FixedDraft(logits, streams, None, vocab_size=10), cache)
-    assert metrics == {"top1": pytest.approx(2 / 3), "stream_1": pytest.approx(1 / 2), "positions": 3}
+    metrics = evaluate_drafter(FixedDraft(logits, streams, None, vocab_size=10), cache, depth=1)
+    # 2-token windows from answer anchors 1 and 2: from 1, the first right (6), the second wrong (0 for 7): 1 kept;
+    # from 2, the first wrong: 0 kept. chain_1: the second token right from anchor 2 (8), not from 1.
+    expected = {"top1": 2 / 3, "stream_1": 1 / 2, "chain_1": 1 / 2, "accept_len": 1 / 2, "positions": 3}
+    assert metrics == pytest.approx(expected)
 
 
 # --- the recipe on the tiny target -----------------------------------------------------------------------------------
@@ -184,7 +187,7 @@ def straight_run(drafter_config) -> Path:
 @pytest.fixture(scope="module")
 def caches(drafter_config, straight_run, tiny_target):
     """The tiny run's train and held-out feature caches (built by the straight run)."""
-    return open_caches(data_view(load_config(DrafterRunConfig, drafter_config), tiny_target))
+    return open_caches(load_config(DrafterRunConfig, drafter_config), tiny_target)
 
 
 def test_recipe_trains_and_exports_a_draft_that_loads(straight_run, tiny_model_dir, tiny_target):
@@ -260,7 +263,7 @@ def test_recipe_with_lora_reduced_vocabulary_and_features(drafter_config, straig
 
 # --- set-up modes, in process ----------------------------------------------------------------------------------------
 def train_steps(model, train, steps: int = 2) -> list[float]:
-    from mirror_train.proxy_training import WindowSampler
+    from mirror_train.data.samplers import WindowSampler
 
     sampler = WindowSampler(train, batch_size=32, seed=0)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -298,7 +301,7 @@ def test_reduced_vocabulary_holds_the_frequent_and_special_ids(caches, tiny_targ
 
 
 def test_window_sampler_repeats_the_windows_that_hold_answers(caches):
-    from mirror_train.proxy_training import WindowSampler
+    from mirror_train.data.samplers import WindowSampler
 
     train, _ = caches
     once, thrice = (WindowSampler(train, 32, seed=0, window=8, answer_repeat=r) for r in (1, 3))

@@ -307,7 +307,7 @@ def paired_cache(draft, target, tokens: list[int]):
     states, _ = target.hidden_states(torch.tensor([tokens[:-1]]))
     cache = draft.new_cache()
     with torch.no_grad():
-        draft(torch.tensor([tokens[:-1]]), cache=cache, num_streams=0, target_hidden=paired_features(states[2]))
+        draft(torch.tensor([tokens[:-1]]), cache=cache, num_streams=0, features={"exit": paired_features(states[2])})
     return cache
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mirror_train.training import Budget, OptimConfig, batch_indices, cosine_lr
+from mirror_train.data.samplers import batch_indices
+from mirror_train.training import Budget, OptimConfig, cosine_lr
 
 
 def test_cosine_lr_warms_up_then_decays_to_the_floor():

@@ -8,7 +8,8 @@ kept as the top-k log-probs (k = 32 holds ~95% of the testbed's mass); the rest 
 
 Layout (NumPy files, memory-mapped when read):
     meta.json                 exit layers, top_k, counts, the target's signature, the sources
-    hidden_L{ℓ}.npy           (P, H) float16   hidden state after layer ℓ, one file per cached exit layer
+    hidden_L{ℓ}.npy           (P, H) float16   hidden state after layer ℓ, one file per cached layer (ℓ = N: the
+                                               final state, after the final norm: what the LM head reads)
     topk_ids.npy              (P, k) int32     the target's top-k next tokens at each position, best first
     topk_logp.npy             (P, k) float16   their log-probabilities under the full softmax
     is_answer.npy             (P,)   bool      the position predicts a token of the target's own answer
@@ -87,7 +88,8 @@ def build_feature_cache(
     """Teacher-force every sequence through the target once and store the features (resuming if interrupted)."""
     cfg.validate()
     for layer in cfg.exit_layers:
-        target.check_exit_layer(layer)
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer <= target.num_layers:
+            raise MirrorTrainError(f"cannot cache layer {layer!r}: the target has layers 1..{target.num_layers}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seqs = [
@@ -164,19 +166,23 @@ def build_feature_cache(
 
 
 class FeatureCache:
-    """Read side of the cache: memory-mapped arrays for one exit layer."""
+    """Read side of the cache: memory-mapped arrays for one exit layer (`hidden`), and optionally more layers
+    under names of the reader's choosing (`extra`: name → layer; `windows` then returns each under its name)."""
 
-    def __init__(self, path: str | os.PathLike, exit_layer: int):
+    def __init__(self, path: str | os.PathLike, exit_layer: int, extra: dict[str, int] | None = None):
         self.path = Path(path)
         meta_file = self.path / "meta.json"
         if not meta_file.is_file():
             raise MirrorTrainError(f"{self.path} is not a feature cache (no meta.json)")
         self.meta = json.loads(meta_file.read_text())
         layers = self.meta["config"]["exit_layers"]
-        if exit_layer not in layers:
-            raise MirrorTrainError(f"{self.path} caches exit layers {layers}, not ℓe={exit_layer}")
+        extra = dict(extra or {})
+        for layer in (exit_layer, *extra.values()):
+            if layer not in layers:
+                raise MirrorTrainError(f"{self.path} caches layers {layers}, not layer {layer}")
         self.exit_layer = exit_layer
         self.hidden = np.load(self.path / f"hidden_L{exit_layer}.npy", mmap_mode="r")
+        self.extra = {name: np.load(self.path / f"hidden_L{layer}.npy", mmap_mode="r") for name, layer in extra.items()}
         self.topk_ids = np.load(self.path / "topk_ids.npy", mmap_mode="r")
         self.topk_logp = np.load(self.path / "topk_logp.npy", mmap_mode="r")
         self.is_answer = np.load(self.path / "is_answer.npy", mmap_mode="r")
@@ -202,8 +208,9 @@ class FeatureCache:
         return np.flatnonzero(self.is_answer) if answers_only else np.arange(len(self))
 
     def windows(self, spans: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
-        """Contiguous row ranges as a right-padded batch: hidden (B, T, H), topk_* (B, T, k), mask (B, T), and
-        token_ids (B, T) when the cache has them (the draft's inputs; padding 0)."""
+        """Contiguous row ranges as a right-padded batch: hidden (B, T, H), topk_* (B, T, k), mask (B, T),
+        token_ids (B, T) when the cache has them (the draft's inputs; padding 0), and each extra layer's states
+        (B, T, H) under its name."""
         width = max(hi - lo for lo, hi in spans)
         k = self.topk_ids.shape[1]
         hidden = np.zeros((len(spans), width, self.hidden.shape[1]), dtype=np.float32)
@@ -222,6 +229,11 @@ class FeatureCache:
             if self.token_ids is not None:
                 tokens[row, :n] = self.token_ids[lo:hi]
         tensors = {"hidden": hidden, "topk_ids": ids, "topk_logp": logp, "mask": mask}
+        for name, states in self.extra.items():
+            extra = np.zeros_like(hidden)
+            for row, (lo, hi) in enumerate(spans):
+                extra[row, : hi - lo] = states[lo:hi]
+            tensors[name] = extra
         if self.token_ids is not None:
             tensors["token_ids"] = tokens
         return {name: torch.from_numpy(array) for name, array in tensors.items()}

@@ -3,7 +3,7 @@
 Layout (parameter names follow Llama's, so a target's layers load unchanged):
 
     embed_tokens                   the target's vocabulary: the draft reads target token ids
-    fusion (optional)              h0 = W [emb(x_t) ; rms(h_target_t)], W = [I | 0] at init (EAGLE-style)
+    fusion (optional)              h0 = W [emb(x_t) ; rms(f_slot) for each feature slot], W = [I | 0] at init
     layers[0 .. N-N_s-1]           transformers' LlamaDecoderLayer, unchanged
     layers[N-N_s .. N-1]           MultiStreamDecoderLayer (multi_stream_attention.py): main + γ' lookahead streams
     stream_embeddings              P_j, j = 1..γ'; stream j enters the first multi-stream layer as h_t + P_j
@@ -12,14 +12,18 @@ Layout (parameter names follow Llama's, so a target's layers load unchanged):
 
 Decisions the papers leave open:
 - Stream RoPE position = its anchor position t (see multi_stream_attention.py).
-- Feature conditioning fuses each input position with one target layer-ℓe state; which state is the caller's
-  convention, and everything here uses EAGLE's pairing (`paired_features`): the input at t reads the state of t−1.
-  The target computes the state of a token only when it verifies it, so the newest committed token (the
-  correction c*) has no state of its own yet, but its predecessor's is known: paired, the first drafted token of
-  every window reads a real target state. A position without one (a token the draft produced itself during a
-  rollout) gets a zero feature, which rms maps to zero, so W sees [emb ; 0]; training withholds a share of the
-  states (`feature_dropout`) so that the draft learns to draft on without them. The fusion starts as the identity on
-  the embedding, so an untrained fusion is exactly the token-only model.
+- Feature conditioning fuses each input position with up to three states of the position before it (EAGLE's
+  pairing, `paired_features`: the input at t reads the states of t−1), one per *slot* (`feature_slots`):
+      exit   the target's layer-ℓe state: known for every token the target has run its prefix over (the committed
+             tokens, and the window while the target finishes it);
+      final  the target's final state (after its final norm, what its LM head reads): known only for tokens the
+             target has finished, the committed ones: the freshest and most informative state there is;
+      own    the draft's own last hidden state (before its final norm) that predicted the token: for the tokens
+             the draft rolls out itself, where no target state exists yet (EAGLE-3's training-time test).
+  A slot without a state at a position gets zeros, which rms maps to zero, so W sees nothing there. Which slots a
+  position has is the caller's: the engine gives committed tokens their target slots, window tokens exit + own,
+  rolled-out tokens own; training shows the draft the same (`drafter_training.drafter_loss`). The fusion starts as
+  the identity on the embedding, so an untrained fusion is exactly the token-only model.
 - Logits stay in draft-id space inside `forward`; `draft_to_target`, `target_to_draft` and `to_target_logits` map.
 - The engine's rollout is a tree-batched forward over the KV cache: every branch's nodes go into one forward under
   a 4-D ancestor mask, and their K/V are appended to the cache so the caller can keep one branch
@@ -53,6 +57,8 @@ from mirror_train.models.multi_stream_attention import (
 from mirror_train.vocab import frequent_token_map  # noqa: F401  (part of this module's interface)
 
 FEATURE_CONDITIONING = ("none", "target_hidden")
+FEATURE_SLOTS = ("exit", "final", "own")  # see the module docstring
+TARGET_SLOTS = ("exit", "final")  # the slots the target fills
 
 
 @strict
@@ -89,6 +95,8 @@ class MirrorDrafterConfig(PreTrainedConfig):
     stream_loss_weight: float = 0.1  # α_j for every stream j ≥ 1 (the paper's value); α_0 = 1
     draft_vocab_size: int | None = None  # None: the head covers the whole vocabulary; else rows of `d2t`
     feature_conditioning: str = "none"  # "none" | "target_hidden"
+    feature_slots: list[str] | None = None  # "target_hidden": the states fused at each input (FEATURE_SLOTS);
+    # None = ["exit"], the draft of earlier versions
     target_hidden_size: int | None = None  # "target_hidden": the width of the target's hidden state
     target_exit_layer: int | None = None  # "target_hidden": ℓe, the target layer whose output is read (1-based)
     target: dict | None = None  # TargetSignature.to_dict() of the target this draft belongs to
@@ -131,6 +139,18 @@ class MirrorDrafterConfig(PreTrainedConfig):
             )
         if self.feature_conditioning == "target_hidden" and not (self.target_hidden_size or 0) >= 1:
             raise MirrorTrainError("feature_conditioning='target_hidden' needs target_hidden_size ≥ 1")
+        slots = self.slots
+        if len(set(slots)) != len(slots) or any(s not in FEATURE_SLOTS for s in slots):
+            raise MirrorTrainError(f"feature_slots must be distinct names among {', '.join(FEATURE_SLOTS)}: {slots}")
+        if self.feature_conditioning == "target_hidden" and not set(slots) & set(TARGET_SLOTS):
+            raise MirrorTrainError("feature_slots must name at least one target state (exit or final)")
+
+    @property
+    def slots(self) -> list[str]:
+        """The feature slots the fusion reads, in its input order ([] for a token-only draft)."""
+        if self.feature_conditioning != "target_hidden":
+            return []
+        return list(self.feature_slots) if self.feature_slots is not None else ["exit"]
 
 
 @dataclass
@@ -139,6 +159,8 @@ class MirrorDrafterOutput(ModelOutput):
     logits: torch.Tensor | None = None  # (B, T, V_draft): main stream, p(y_{t+1})
     stream_logits: torch.Tensor | None = None  # (B, T, S, V_draft): stream j, p(y_{t+1+j}); None without streams
     cache: DynamicCache | None = None
+    hidden: torch.Tensor | None = None  # (B, T, H): the main stream's last state before the final norm (own slot)
+    stream_hidden: torch.Tensor | None = None  # (B, T, S, H): the same of each stream
 
 
 def paired_features(
@@ -169,19 +191,30 @@ class Rollout(NamedTuple):
     logprobs: list[float]  # log q of each token under the draft distribution it was chosen from
     num_forwards: int  # batched forwards the rollout took
     nodes: list[int]  # uncommitted cache slots of this branch: its root tokens, then the rollout tokens fed back
+    pairs: torch.Tensor | None = None  # (γ, H) float32: the draft state that predicted each token (what the token
+    # reads in the own slot when it is fed); None for a draft without an own slot
 
 
 class FeatureFusion(nn.Module):
-    """h0 = W [emb(x_t) ; rms(h_target_t)]; W starts as [I | 0], so at init h0 = emb(x_t) exactly."""
+    """h0 = W [emb(x_t) ; rms_s(f_s) for each slot s]; W starts as [I | 0], so at init h0 = emb(x_t) exactly."""
 
-    def __init__(self, hidden_size: int, target_hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, widths: dict[str, int], eps: float):
         super().__init__()
-        self.norm = LlamaRMSNorm(target_hidden_size, eps=eps)
-        self.proj = nn.Linear(hidden_size + target_hidden_size, hidden_size, bias=False)
+        self.widths = dict(widths)
+        self.norms = nn.ModuleDict({slot: LlamaRMSNorm(width, eps=eps) for slot, width in widths.items()})
+        self.proj = nn.Linear(hidden_size + sum(widths.values()), hidden_size, bias=False)
 
-    def forward(self, emb: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
-        """emb (B, T, H), target_hidden (B, T, H_target) → (B, T, H)."""
-        return self.proj(torch.cat([emb, self.norm(target_hidden)], dim=-1))
+    def forward(self, emb: torch.Tensor, features: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """emb (B, T, H); features: slot → (B, T, width), a missing slot reads zeros → (B, T, H)."""
+        features = features or {}
+        unknown = set(features) - set(self.widths)
+        if unknown:
+            raise MirrorTrainError(f"this draft reads feature slots {list(self.widths)}, not {sorted(unknown)}")
+        parts = [emb]
+        for slot, width in self.widths.items():
+            f = features.get(slot)
+            parts.append(emb.new_zeros(*emb.shape[:-1], width) if f is None else self.norms[slot](f.to(emb.dtype)))
+        return self.proj(torch.cat(parts, dim=-1))
 
 
 class MirrorDrafterForCausalLM(PreTrainedModel):
@@ -195,11 +228,8 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         config.validate()  # a config edited after construction is checked again here
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.fusion = (
-            FeatureFusion(c.hidden_size, c.target_hidden_size, c.rms_norm_eps)
-            if c.feature_conditioning == "target_hidden"
-            else None
-        )
+        widths = {slot: c.hidden_size if slot == "own" else c.target_hidden_size for slot in c.slots}
+        self.fusion = FeatureFusion(c.hidden_size, widths, c.rms_norm_eps) if widths else None
         first = self.first_stream_layer
         self.layers = nn.ModuleList(
             [(LlamaDecoderLayer if i < first else MultiStreamDecoderLayer)(c, i) for i in range(c.num_hidden_layers)]
@@ -244,7 +274,7 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         attention_mask_4d: torch.Tensor | None = None,
-        target_hidden: torch.Tensor | None = None,
+        features: dict[str, torch.Tensor] | None = None,
         num_streams: int | None = None,
         labels: torch.Tensor | None = None,
         logits_index: torch.Tensor | None = None,
@@ -254,7 +284,8 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         input_ids (B, T) target ids; cache: main K/V of the L earlier positions, appended to (streams never are);
         position_ids (1 or B, T), default L..L+T-1; attention_mask (B, L+T) the usual 1/0 padding mask;
         attention_mask_4d (1 or B, 1, T, L+T) an additive float mask that replaces the causal one (tree nodes);
-        target_hidden (B, T, H_target) the target's layer-ℓe states (feature conditioning only; None = zeros);
+        features: slot → (B, T, width) the states each input reads (feature conditioning only; a missing slot
+        reads zeros; see the module docstring);
         num_streams: how many of the γ' streams to run (None = all, 0 = main only, cheaper);
         labels (B, T) target ids, unshifted, -100 = ignore: adds the Speculative Streaming loss;
         logits_index (K,) positions whose logits to compute (None: all T). The LM head dominates a small model's
@@ -267,11 +298,9 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         past = cache.get_seq_length() if cache is not None else 0
         h = self.embed_tokens(input_ids)  # (B, T, H)
         if self.fusion is not None:
-            if target_hidden is None:
-                target_hidden = h.new_zeros(B, T, self.config.target_hidden_size)
-            h = self.fusion(h, target_hidden.to(h.dtype))
-        elif target_hidden is not None:
-            raise MirrorTrainError("target_hidden was given, but this draft has feature_conditioning='none'")
+            h = self.fusion(h, features)
+        elif features:
+            raise MirrorTrainError("features were given, but this draft has feature_conditioning='none'")
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=h.device).unsqueeze(0)  # (1, T)
         if attention_mask is not None and attention_mask_4d is not None:
@@ -312,7 +341,9 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
             loss = speculative_streaming_loss(
                 logits, stream_logits, self.target_to_draft(labels), self.config.stream_loss_weight
             )
-        return MirrorDrafterOutput(loss=loss, logits=logits, stream_logits=stream_logits, cache=cache)
+        return MirrorDrafterOutput(
+            loss=loss, logits=logits, stream_logits=stream_logits, cache=cache, hidden=h, stream_hidden=streams
+        )
 
     # --- vocabulary maps -------------------------------------------------------------------------------------
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -474,7 +505,7 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         cache: DynamicCache,
         committed_len: int | None = None,
         num_streams: int | None = None,
-        target_hidden: torch.Tensor | None = None,
+        features: dict[str, torch.Tensor] | None = None,
         logits_index: torch.Tensor | None = None,
     ) -> MirrorDrafterOutput:
         """One forward over N new tree nodes; their main K/V are appended to `cache`.
@@ -484,8 +515,8 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         first, then the N new ones, as an index into that list (-1: the end of the committed context); a parent
         comes before its child. A node attends to the committed context, its ancestors and itself, at position
         committed_len + depth (depth 0 for a node whose parent is -1). tokens: the N new target ids;
-        target_hidden (1, N, H_target) or None; logits_index as in `forward`. Returns logits (1, N, V_draft),
-        stream_logits (1, N, S, V_draft) (N: the indexed nodes only, with logits_index).
+        features: slot → (N, width) or None; logits_index as in `forward`. Returns logits (1, N, V_draft),
+        stream_logits (1, N, S, V_draft) (N: the indexed nodes only, with logits_index) and their hidden states.
         """
         cached = cache.get_seq_length()
         committed = cached if committed_len is None else committed_len
@@ -499,12 +530,17 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
             raise MirrorTrainError("tree_forward needs at least one new node")
         mask, depth = tree_mask(parents, committed, n_new, self.dtype)  # (1, 1, N, cached + N), (N,)
         device = self.device
+        if features:
+            for slot, f in features.items():
+                if f.shape[0] != n_new:
+                    raise MirrorTrainError(f"features[{slot!r}] cover {f.shape[0]} nodes, the forward feeds {n_new}")
+            features = {slot: f.to(device, self.dtype).unsqueeze(0) for slot, f in features.items()}  # (1, N, w)
         return self(
             torch.tensor([list(tokens)], device=device),
             cache=cache,
             position_ids=(committed + depth).unsqueeze(0).to(device),  # (1, N)
             attention_mask_4d=mask.to(device),
-            target_hidden=target_hidden,
+            features=features,
             num_streams=num_streams,
             logits_index=logits_index,
         )
@@ -518,7 +554,7 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
         use_streams: bool = True,
-        root_hidden: Sequence[torch.Tensor] | None = None,
+        features: dict[str, torch.Tensor] | None = None,
     ) -> list[Rollout]:
         """Roll out γ draft tokens after each branch root, all branches batched in one tree forward per pass.
 
@@ -527,8 +563,9 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         reads the last node: its main logits give the next token, stream j's give the token j further on, so a
         pass yields 1 + γ' tokens and a rollout takes ⌈γ / (1 + γ')⌉ forwards (`use_streams=False`: one token per
         pass, γ forwards). Greedy at temperature 0 (log-probs then at temperature 1), else each token is sampled
-        from softmax(logits / T), the distribution its log-prob refers to. root_hidden: per branch the target's
-        ℓe states of the root tokens, (len(root), H_target) (feature conditioning; rolled-out tokens get zeros).
+        from softmax(logits / T), the distribution its log-prob refers to. features: slot → (Σ len(root), width),
+        what the root tokens read, root after root (feature conditioning; rolled-out tokens read their own states
+        when the draft has an own slot, else nothing).
 
         The fed nodes stay in the cache after the committed context; `Rollout.nodes` names a branch's slots, for
         `keep_cache_path(cache, committed_len, rollout.nodes[:k])`.
@@ -545,9 +582,6 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
                 tokens.append(int(token))
                 chain.append(len(parents) - 1)
             chains.append(chain)
-        features = None
-        if root_hidden is not None:
-            features = torch.cat([torch.as_tensor(f) for f in root_hidden]).unsqueeze(0)  # (1, N, H_target)
         return self._rollout(cache, parents, tokens, chains, gamma, temperature, generator, use_streams, features)
 
     @torch.no_grad()
@@ -560,7 +594,7 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
         use_streams: bool = True,
-        features: torch.Tensor | None = None,
+        features: dict[str, torch.Tensor] | None = None,
     ) -> list[Rollout]:
         """Roll out γ tokens for branches that hang off a shared chain: the engine's branch-complete rollout.
 
@@ -569,9 +603,9 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         the spine up to and including spine[anchor] (anchor -1: the committed context alone; then token is
         required), followed by `token`, or by nothing when token is None. The spine is fed once for all branches;
         a branch without a token reads its first logits off the spine node itself. `Rollout.nodes` of a branch
-        lists the spine nodes up to its anchor, then its own. features (feature conditioning): (S + R, H_target), the
-        target state each spine node and then each branch token (R: the branches with one) reads, zeros where there
-        is none; the tokens rolled out read none.
+        lists the spine nodes up to its anchor, then its own. features (feature conditioning): slot → (S + R, width),
+        what each spine node and then each branch token (R: the branches with one) reads, zeros where there is
+        nothing; the tokens rolled out read their own states (own slot) or nothing.
         """
         if not spine:
             raise MirrorTrainError("rollout_tree needs a non-empty spine")
@@ -589,10 +623,6 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
                 tokens.append(int(token))
                 chain.append(len(parents) - 1)
             chains.append(chain)
-        if features is not None:
-            if features.shape[0] != len(tokens):
-                raise MirrorTrainError(f"features cover {features.shape[0]} nodes, the first pass feeds {len(tokens)}")
-            features = features.unsqueeze(0)  # (1, S + R, H_target)
         return self._rollout(cache, parents, tokens, chains, gamma, temperature, generator, use_streams, features)
 
     def _rollout(
@@ -605,10 +635,12 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         temperature: float,
         generator: torch.Generator | None,
         use_streams: bool,
-        features: torch.Tensor | None,
+        features: dict[str, torch.Tensor] | None,
     ) -> list[Rollout]:
         """The rollout loop of `rollout` and `rollout_tree`: the first pass feeds the shared nodes (parents,
-        tokens); then each pass appends every branch's newest tokens after the last node of its chain.
+        tokens); then each pass appends every branch's newest tokens after the last node of its chain, each reading
+        in the own slot the state that predicted it (the main stream's for the next token, stream j's for the token
+        j further on).
 
         The LM head runs only on each branch's last node: the other nodes' logits are never read.
         """
@@ -617,39 +649,53 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         if temperature < 0:
             raise MirrorTrainError(f"temperature must be ≥ 0, got {temperature}")
         streams = self.config.num_streams if use_streams else 0
+        own = "own" in self.config.slots
         device = self.device
         committed = cache.get_seq_length()
         parents, chains = list(parents), [list(c) for c in chains]
         drafted: list[list[int]] = [[] for _ in chains]
         logprobs: list[list[float]] = [[] for _ in chains]
+        pairs: list[list[torch.Tensor]] = [[] for _ in chains]
         new_tokens, first_new = list(tokens), 0
-        if features is not None:
-            features = features.to(device)
         passes = 0
         while len(drafted[0]) < gamma:
             s = min(streams, gamma - len(drafted[0]) - 1)  # only the streams still needed this pass are run
             last = torch.tensor([chain[-1] - first_new for chain in chains], device=device)  # (branches,)
             out = self.tree_forward(
-                new_tokens, parents, cache, committed, num_streams=s, target_hidden=features, logits_index=last
+                new_tokens, parents, cache, committed, num_streams=s, features=features, logits_index=last
             )
             passes += 1
-            features = None
             # Each branch's last node: main → the next token, stream j → the token j further on.
             logits = out.logits[0, :, None]  # (branches, 1, V_draft)
+            states = out.hidden[0, :, None]  # (branches, 1, H): the state behind each choice
             if s:
                 logits = torch.cat([logits, out.stream_logits[0]], dim=1)  # (branches, 1 + s, V_draft)
+                states = torch.cat([states, out.stream_hidden[0]], dim=1)  # (branches, 1 + s, H)
             chosen, logp = _choose(logits.float(), temperature, generator)  # (branches, 1 + s) each
             chosen = self.draft_to_target(chosen).tolist()
-            new_tokens, first_new = [], len(parents)
+            new_tokens, first_new, fed = [], len(parents), []
             for b, chain in enumerate(chains):
                 drafted[b] += chosen[b]
                 logprobs[b] += logp[b].tolist()
+                if own:
+                    pairs[b] += list(states[b].float())
                 if len(drafted[b]) < gamma:  # feed them for the next pass, chained after the branch's last node
                     for token in chosen[b]:
                         parents.append(chain[-1])
                         chain.append(len(parents) - 1)
                         new_tokens.append(token)
-        return [Rollout(drafted[b][:gamma], logprobs[b][:gamma], passes, chains[b]) for b in range(len(chains))]
+                    fed.append(states[b])
+            features = {"own": torch.cat(fed)} if own and fed else None
+        return [
+            Rollout(
+                drafted[b][:gamma],
+                logprobs[b][:gamma],
+                passes,
+                chains[b],
+                torch.stack(pairs[b][:gamma]) if own else None,
+            )
+            for b in range(len(chains))
+        ]
 
 
 def keep_cache_path(cache: DynamicCache, committed_len: int, node_indices: Sequence[int]) -> None:

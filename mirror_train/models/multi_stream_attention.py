@@ -63,6 +63,25 @@ def packed_causal_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return _additive(allowed[:, None], dtype)
 
 
+def ttt_mask(segments: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mask of training-time-test step k ≥ 1 over the keys of steps 0..k (each N positions, step-major).
+
+    segments (1, N): the sequence of each packed position (non-decreasing). The query at p in step k is a token
+    the draft rolled out k−1 tokens after the committed position p−k: it sees step 0's positions ≤ p−k of its own
+    sequence (the committed context) and its chain, position p−k+j in step j for j = 1..k (itself last). A chain
+    that would start before its sequence sees only itself (a harmless row whose loss is not counted).
+    Returns (1, 1, N, N·(k+1)).
+    """
+    N = segments.shape[1]
+    seg = segments[0]
+    p = torch.arange(N, device=seg.device)
+    same = seg[:, None] == seg[None, :]  # (N, N)
+    blocks = [same & (p[None, :] <= p[:, None] - step)]  # step 0: the committed context
+    for j in range(1, step + 1):
+        blocks.append(same & (p[None, :] == p[:, None] - step + j))  # step j: the chain's j-th token
+    return _additive(torch.cat(blocks, dim=1), dtype)[None, None]
+
+
 def tree_mask(
     parents: Sequence[int], committed: int, num_new: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
