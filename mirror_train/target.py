@@ -226,8 +226,15 @@ class Target:
     @torch.inference_mode()
     def suffix(self, state: PrefixState) -> torch.Tensor:
         """Run layers ℓe+1..N, the final norm and the LM head: (B, T, V) final logits."""
+        return self.suffix_states(state)[0]
+
+    @torch.inference_mode()
+    def suffix_states(self, state: PrefixState) -> tuple[torch.Tensor, torch.Tensor]:
+        """`suffix`, and the final states (B, T, H) the LM head read (after the final norm: layer N's cached state,
+        what a draft reading the target's final states is fed)."""
         hidden = self.run_layers(state, self.decoder.layers, range(state.exit_layer, self.num_layers))
-        return self.logits(self.decoder.norm(hidden))
+        final = self.decoder.norm(hidden)
+        return self.logits(final), final
 
     def run_layers(self, state: PrefixState, layers, indices) -> torch.Tensor:
         """Run `layers[i]` for i in `indices` (0-based: layer i+1 of the convention) on `state.hidden`.
@@ -250,18 +257,18 @@ class Target:
     @torch.inference_mode()
     def prefill(
         self, input_ids: torch.Tensor, cache, exit_layer: int, on_exit=None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fill `cache` with every layer's K/V for `input_ids` (B, T) in one pass, as transformers' `generate` does
         (a prompt split differently rounds differently in bf16). Returns the ℓe states (B, T, H), for a proxy head
-        or draft with a cache of its own, and the final logits of the last position (B, V): the first new token.
-        The LM head runs on that row only. `on_exit(states)`, if given, is called with the ℓe states between the
-        halves (to send them on while the upper layers run)."""
+        or draft with a cache of its own, the final logits of the last position (B, V): the first new token (the LM
+        head runs on that row only), and the final states (B, T, H) (as `suffix_states`). `on_exit(states)`, if
+        given, is called with the ℓe states between the halves (to send them on while the upper layers run)."""
         state = self.prefix(input_ids, cache, exit_layer)
         exit_hidden = state.hidden
         if on_exit is not None:
             on_exit(exit_hidden)
-        hidden = self.run_layers(state, self.decoder.layers, range(exit_layer, self.num_layers))
-        return exit_hidden, self.logits(self.decoder.norm(hidden[:, -1]))
+        final = self.decoder.norm(self.run_layers(state, self.decoder.layers, range(exit_layer, self.num_layers)))
+        return exit_hidden, self.logits(final[:, -1]), final
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

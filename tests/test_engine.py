@@ -160,6 +160,10 @@ def proxy_head(target, kind: str):
     return ProxyHead(cfg, target.hidden_size).bind(target)
 
 
+# The synthetic draft's own shapes (whole windows, step counts): no copied windows, no cut windows.
+FIXED = {"ngram_tokens": 0, "adaptive_window": False}
+
+
 # --- losslessness, in-process --------------------------------------------------------------------------------------
 SETTINGS = [  # (kappa, gamma, branch_budget, use_streams)
     (1, 1, 1, True),
@@ -195,7 +199,7 @@ def test_an_attention_proxy_head_with_its_own_cache_stays_lossless(target, draft
 @pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
 def test_a_synthetic_draft_at_any_acceptance_is_lossless(target, prompts, references, acceptance):
     gamma = 3
-    cfg = EngineConfig(kappa=4, gamma=gamma, branch_budget=6, placement="local")
+    cfg = EngineConfig(kappa=4, gamma=gamma, branch_budget=6, placement="local", **FIXED)
     with MirrorEngine(target, None, SyntheticDraftConfig(acceptance=acceptance, forward_ms=0), cfg) as engine:
         for prompt, ref in zip(prompts, references):
             for method in ("sd", "mirror"):
@@ -236,7 +240,7 @@ def test_branches_rolled_out_short_of_the_window_are_completed_and_stay_lossless
 
     gamma = 3
     monkeypatch.setattr(DraftServer, "_shape", lambda self, ranked, deadline: (depth, len(ranked)))
-    cfg = EngineConfig(kappa=4, gamma=gamma, branch_budget=6, placement="local", look_ahead=False)
+    cfg = EngineConfig(kappa=4, gamma=gamma, branch_budget=6, placement="local", look_ahead=False, **FIXED)
     for draft in (SyntheticDraftConfig(acceptance=0.7, forward_ms=0, num_streams=0), conditioned_draft):
         with MirrorEngine(target, None, draft, cfg) as engine:
             steps = []
@@ -258,7 +262,7 @@ def test_the_drafts_look_ahead_serves_the_whole_window_branch(
     which the look-ahead drafted during the prefix, so every later window is reused without a serial pass. A
     conditioned draft (its look-ahead reads no states) stays lossless."""
     gamma = 3
-    cfg = EngineConfig(kappa=2, gamma=gamma, branch_budget=2, placement=placement, **ANY_CORE)
+    cfg = EngineConfig(kappa=2, gamma=gamma, branch_budget=2, placement=placement, **ANY_CORE, **FIXED)
     with MirrorEngine(target, None, SyntheticDraftConfig(acceptance=1.0, forward_ms=0, num_streams=0), cfg) as engine:
         for prompt, ref in zip(prompts, references):
             g = engine.generate(prompt, MAX_NEW, method="mirror", stop=[], reference=ref)
@@ -300,32 +304,53 @@ def conditioned_draft(target):
     return draft
 
 
+def slotted_draft(target, slots):
+    """A conditioned draft (ℓe = 2) reading `slots`, with a fusion far from the identity (so that they matter)."""
+    draft = MirrorDrafterForCausalLM.from_target(
+        target, 2, 2, 1, feature_conditioning="target_hidden", target_exit_layer=2
+    )
+    draft.config.feature_slots = slots
+    state = {k: v for k, v in draft.state_dict().items() if not k.startswith("fusion.")}
+    draft = MirrorDrafterForCausalLM(draft.config)
+    draft.load_state_dict(state, strict=False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        draft.fusion.proj.weight[:, target.hidden_size :].normal_(std=0.5)
+    return draft.eval()
+
+
 def paired_cache(draft, target, tokens: list[int]):
-    """What a draft's cache over tokens[:-1] holds, fed at once with each token's pair (the state before it)."""
+    """What a draft's cache over tokens[:-1] holds, fed at once with what each committed token reads: the target's
+    states (ℓe, and final for the final slot) of the token before it."""
     from mirror_train.models.drafter import paired_features
 
     states, _ = target.hidden_states(torch.tensor([tokens[:-1]]))
+    sources = {"exit": states[2], "final": states[-1]}
+    features = {slot: paired_features(sources[slot]) for slot in draft.config.slots if slot in sources}
     cache = draft.new_cache()
     with torch.no_grad():
-        draft(torch.tensor([tokens[:-1]]), cache=cache, num_streams=0, features={"exit": paired_features(states[2])})
+        draft(torch.tensor([tokens[:-1]]), cache=cache, num_streams=0, features=features)
     return cache
 
 
+@pytest.mark.parametrize("slots", [["exit"], ["exit", "own"], ["exit", "final", "own"], ["final"]])
 @pytest.mark.parametrize(
     "method,head_placement,use_streams",
     [("sd", "target", True), ("mirror", "target", True), ("mirror", "draft", False)],
 )
 def test_a_feature_conditioned_draft_is_lossless_and_reads_the_true_paired_states(
-    target, conditioned_draft, prompts, references, method, head_placement, use_streams
+    target, prompts, references, method, head_placement, use_streams, slots
 ):
     """Every state crosses at the right step: after a generation, the draft's cache over the committed tokens equals
-    a fresh forward over them with the target's own ℓe states, paired (so nothing was fed a wrong or missing one)."""
+    a fresh forward over them with the target's own states, paired (so nothing was fed a wrong or missing one):
+    ℓe-only drafts, drafts that also read their own states, and the freshest features (final states)."""
+    draft = slotted_draft(target, slots)
     cfg = EngineConfig(
         kappa=4, gamma=3, branch_budget=6, placement="local", head_placement=head_placement, use_streams=use_streams
     )
     cfg.draft_dtype = "float32"
-    with MirrorEngine(target, proxy_head(target, "mlp"), conditioned_draft, cfg) as engine:
-        assert engine.conditioned
+    with MirrorEngine(target, proxy_head(target, "mlp"), draft, cfg) as engine:
+        assert engine.draft_slots == [s for s in ("exit", "final") if s in slots]
         for prompt, ref in zip(prompts, references):
             g = engine.generate(prompt, MAX_NEW, method=method, stop=[])
             assert g.tokens == ref, prompt
@@ -333,8 +358,8 @@ def test_a_feature_conditioned_draft_is_lossless_and_reads_the_true_paired_state
             committed = server.cached
             # (the last step's verdict is never sent: the generation ended there)
             assert server.tokens == (prompt + ref)[: len(server.tokens)]
-            assert len(server.states) == len(server.tokens) - 1
-            expected = paired_cache(conditioned_draft, target, server.tokens[: committed + 1])
+            assert all(len(table) == len(server.tokens) - 1 for table in server.states.values())
+            expected = paired_cache(draft, target, server.tokens[: committed + 1])
             for got, want in zip(server.backend.cache.layers, expected.layers):
                 torch.testing.assert_close(got.keys[:, :, :committed], want.keys, atol=1e-4, rtol=1e-4)
                 torch.testing.assert_close(got.values[:, :, :committed], want.values, atol=1e-4, rtol=1e-4)
@@ -619,7 +644,7 @@ def test_an_interrupted_generation_leaves_no_stale_reply_for_the_next(target, pr
     own (before the fix every later step read the previous one's window and accepted nothing)."""
     prompt, ref = prompts[1], references[1]
     slow = SyntheticDraftConfig(acceptance=1.0, forward_ms=300, num_streams=0)
-    cfg = EngineConfig(gamma=3, branch_budget=4, adaptive_budget=False, placement="process", **ANY_CORE)
+    cfg = EngineConfig(gamma=3, branch_budget=4, adaptive_budget=False, placement="process", **ANY_CORE, **FIXED)
     with MirrorEngine(target, None, slow, cfg) as engine:
         # Ctrl-C lands while the engine waits for the second window. Raised from the wait itself rather than by a
         # timed SIGINT, whose arrival inside that wait depends on the machine's load (it missed twice under CI).

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from mirror_train.engine.messages import Failed, Ready, Stop
 from mirror_train.errors import MirrorTrainError
 
 
@@ -41,7 +42,9 @@ def build_server(spec: dict):
     from mirror_train.engine.server import DraftServer
 
     dtype = getattr(torch, spec.get("dtype", "float32"))
-    if spec["kind"] == "synthetic":
+    if spec["kind"] == "ngram":  # prompt lookup alone: no model
+        backend = None
+    elif spec["kind"] == "synthetic":
         backend = SyntheticDraft(SyntheticDraftConfig(**spec["config"]), spec["vocab_size"])
     else:
         from transformers import AutoModelForCausalLM
@@ -54,7 +57,15 @@ def build_server(spec: dict):
     if spec.get("head"):  # the proxy head runs here: rebuild it from its bundle (engine.py, `_head_bundle`)
         bundle = torch.load(spec["head"], weights_only=False)
         head = bundle["end"].to(dtype).head(bundle["cfg"], bundle["state"], bundle["vocab_ids"]).to(dtype)
-    return DraftServer(backend, spec["branch_budget"], spec["adaptive_budget"], head, spec.get("kappa", 4))
+    return DraftServer(
+        backend,
+        spec.get("branch_budget", 1),
+        spec.get("adaptive_budget", False),
+        head,
+        spec.get("kappa", 4),
+        spec.get("ngram_tokens", 0),
+        spec.get("adaptive_window", False),
+    )
 
 
 def _pin(core: int | None, threads: int) -> None:
@@ -70,20 +81,20 @@ def serve(transport, spec: dict, core: int | None, threads: int) -> None:
     try:
         server = build_server(spec)
     except Exception as e:  # noqa: BLE001  (reported to the engine, which raises it as a clear error)
-        transport.send(("error", f"{type(e).__name__}: {e}"))
+        transport.send(Failed(f"{type(e).__name__}: {e}"))
         return
-    transport.send(("ready", os.getpid()))
+    transport.send(Ready(os.getpid()))
     while True:
         try:
             msg = transport.recv(None)
         except (EOFError, OSError, RuntimeError, DraftUnavailable):
             return  # the engine is gone
-        if msg[0] == "stop":
+        if isinstance(msg, Stop):
             return
         try:
             reply, after = server.handle(msg)
         except Exception:  # noqa: BLE001
-            transport.send(("error", traceback.format_exc(limit=4)))
+            transport.send(Failed(traceback.format_exc(limit=4)))
             return
         if reply is not None:
             transport.send(reply)
@@ -176,7 +187,7 @@ class LocalDraft:
         self.server = build_server(spec)
         self._reply = None
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg) -> None:
         # As in a worker: the server's tensors must not become inference tensors when a message is sent from
         # inside the target's inference mode (the prompt's states go out in the middle of its prefill).
         with torch.inference_mode(False):
@@ -239,18 +250,18 @@ class ProcessDraft:
         except DraftUnavailable as e:
             self.close()
             raise MirrorTrainError(f"the draft worker did not start: {e}") from None
-        self.pid = reply[1]
+        self.pid = reply.pid
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg) -> None:
         self.transport.send(msg)
 
     def recv(self, timeout_s: float | None) -> Any:
         if not self.process.is_alive() and not self.gloo and not self.transport.conn.poll():
             raise DraftUnavailable(f"the draft worker exited (code {self.process.exitcode})")
         reply = self.transport.recv(timeout_s)
-        if reply[0] == "error":
+        if isinstance(reply, Failed):
             self.close()
-            raise DraftUnavailable(f"the draft worker failed: {reply[1].strip()}")
+            raise DraftUnavailable(f"the draft worker failed: {reply.error.strip()}")
         return reply
 
     def alive(self) -> bool:
@@ -260,7 +271,7 @@ class ProcessDraft:
         """Ask the worker to stop; terminate, then kill, what does not. Safe to call twice."""
         if self.process.is_alive():
             try:
-                self.transport.send(("stop",))
+                self.transport.send(Stop())
             except DraftUnavailable:
                 pass
             self.process.join(2.0)

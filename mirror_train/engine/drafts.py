@@ -2,10 +2,11 @@
 
 Both keep the committed context in a cache of their own and answer the same three calls:
     reset(prompt, reference, features)      a new sequence: prefill all of the prompt but its last token
-    rollout(spine, branches, γ, features)   γ tokens per branch (see `MirrorDrafterForCausalLM.rollout_tree`)
+    rollout(spine, branches, γ, features)   γ tokens per branch, a `Rollout` each (see
+                                            `MirrorDrafterForCausalLM.rollout_tree`)
     keep(n)                                 commit the first n spine nodes of the last rollout, drop every other node
-`features` are the target states the fed tokens read (a feature-conditioned draft; others ignore them), one row per
-fed token, already paired by the server.
+`features` are what the fed tokens read (a feature-conditioned draft; others ignore them): slot → one row per fed
+token, already paired by the server; `widths` (slot → width) says which slots the draft reads.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mirror_train.errors import MirrorTrainError
+from mirror_train.models.drafter import Rollout
 
 
 class ModelDraft:
@@ -28,7 +30,7 @@ class ModelDraft:
         self.model = model.eval()
         self.use_streams = use_streams
         self.num_streams = model.config.num_streams if use_streams else 0
-        self.conditioned = model.fusion is not None
+        self.widths = dict(model.fusion.widths) if model.fusion is not None else {}
         self.cache = None
 
     @torch.no_grad()
@@ -39,20 +41,20 @@ class ModelDraft:
             ids = torch.tensor([list(prompt[:-1])], device=device)
             last = torch.tensor([ids.shape[1] - 1], device=device)
             states = self._features(features)
-            states = None if states is None else states.unsqueeze(0)
-            self.model(ids, cache=self.cache, num_streams=0, logits_index=last, target_hidden=states)  # K/V only
+            states = None if states is None else {slot: f.unsqueeze(0) for slot, f in states.items()}
+            self.model(ids, cache=self.cache, num_streams=0, logits_index=last, features=states)  # K/V only
 
     def rollout(self, spine: Sequence[int], branches: Sequence[tuple[int, int | None]], gamma: int, features=None):
         self.committed = self.cache.get_seq_length()  # every rollout follows a `keep` (or `reset`)
         results = self.model.rollout_tree(
             self.cache, spine, branches, gamma, use_streams=self.use_streams, features=self._features(features)
         )
-        return [r.tokens for r in results], results[0].num_forwards
+        return results
 
-    def _features(self, features) -> torch.Tensor | None:
-        if not self.conditioned or features is None:
+    def _features(self, features) -> dict[str, torch.Tensor] | None:
+        if not self.widths or not features:
             return None
-        return torch.as_tensor(features).to(self.model.device, self.model.dtype)
+        return {slot: torch.as_tensor(f).to(self.model.device, self.model.dtype) for slot, f in features.items()}
 
     def keep(self, n: int) -> None:
         from mirror_train.models.drafter import keep_cache_path
@@ -89,6 +91,7 @@ class SyntheticDraft:
         cfg.validate()
         self.cfg = cfg
         self.num_streams = cfg.num_streams
+        self.widths: dict[str, int] = {}  # reads nothing
         self.vocab_size = vocab_size
         self.rng = random.Random(cfg.seed)
         self.reference: list[int] = []
@@ -125,7 +128,7 @@ class SyntheticDraft:
         later_nodes = len(branches) * (1 + self.num_streams)
         cost = passes * self.cfg.forward_ms + self.cfg.node_ms * (nodes - 1 + (passes - 1) * (later_nodes - 1))
         _sleep_until(start + cost / 1000)
-        return out, passes
+        return [Rollout(tokens, [0.0] * len(tokens), passes, [], None) for tokens in out]
 
     def keep(self, n: int) -> None:
         self.context += self.spine[:n]

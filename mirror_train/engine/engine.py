@@ -30,6 +30,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -42,12 +43,14 @@ from mirror_train.engine.acceptance import accept, target_tokens, truncate
 from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDraft
 from mirror_train.engine.drafts import SyntheticDraftConfig
 from mirror_train.engine.latency import predicted_step_ms
+from mirror_train.engine.messages import Branches, Candidates, Ping, Start, Verdict
+from mirror_train.engine.window import fit_costs
 from mirror_train.errors import MirrorTrainError
 from mirror_train.metrics import check_kappa
 from mirror_train.target import Target
 from mirror_train.vocab import top_ranked
 
-METHODS = ("ar", "sd", "mirror")
+METHODS = ("ar", "sd", "mirror", "pld")
 MAX_GAMMA = 32
 
 
@@ -77,6 +80,12 @@ class EngineConfig:
     # What the draft, and a proxy head on the draft's side, compute in. They only propose, so their precision cannot
     # change the output; "auto": bfloat16 where bf16 matmuls are fast (AMX CPUs, CUDA), else float32.
     draft_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Prompt lookup (ngram.py): windows copied from the prompt and the committed text, up to this long, compete with
+    # the draft's in sd and mirror alike (0: off); method "pld" verifies them alone, with no draft model.
+    ngram_tokens: int = 8
+    # Cut each window to the length that maximises expected committed tokens per unit of the target's measured
+    # verification time (window.py; off: always the draft's whole γ).
+    adaptive_window: bool = True
 
     def validate(self) -> None:
         check_kappa(self.kappa)
@@ -95,6 +104,8 @@ class EngineConfig:
             raise MirrorTrainError(f"candidate_vocab ({self.candidate_vocab}) must hold at least κ={self.kappa} ids")
         if self.head_placement not in ("target", "draft"):
             raise MirrorTrainError(f"head_placement must be target or draft, got {self.head_placement!r}")
+        if not 0 <= self.ngram_tokens <= MAX_GAMMA:
+            raise MirrorTrainError(f"ngram_tokens must be in 0..{MAX_GAMMA}, got {self.ngram_tokens}")
         if self.threads < 1 or self.timeout_s <= 0:
             raise MirrorTrainError("threads must be ≥ 1 and timeout_s > 0")
         cores = os.sched_getaffinity(0)
@@ -126,6 +137,7 @@ class StepStats:
     branch_ms: float = 0.0
     fallback_ms: float = 0.0
     draft_forwards: int = 0  # forwards of the fallback rollout that made the next window (0: reused or none)
+    source: str | None = None  # what the next window was drafted by: "model" or "ngram" (prompt lookup)
     predicted_ms: float = 0.0
 
 
@@ -203,13 +215,16 @@ class MirrorEngine:
             self.head.restrict(top_ranked(ranking, cfg.candidate_vocab, target.vocab_size))
         self.stops = set(stop_token_ids(target.tokenizer, target.config)) if target.tokenizer is not None else set()
         self._tmp = tempfile.TemporaryDirectory(prefix="mirror-engine-")  # what the worker loads: draft, head bundle
-        self.conditioned = False  # the draft reads the target's ℓe states, which then cross with every step
+        self.draft_slots: list[str] = []  # the target's states the draft reads (exit, final): they cross every step
         self.spec = self._draft_spec(draft) if draft is not None else None
         self.draft = None  # the channel, once started
         self.channel_ms = 0.0
         self._suffix_ms: float | None = None
         self._prefix_ms: float | None = None  # the target's prefix time per window (EMA): the draft's look-ahead
         self._awaiting = False  # a request is out whose reply has not been read
+        self._pld: LocalDraft | None = None  # the prompt-lookup "draft" of method pld, in-process
+        self._costs: list[float] | None = None  # the target's relative verification cost by window length
+        self._verify_samples: deque[tuple[int, float]] = deque(maxlen=64)  # (window length, target ms) per step
 
     # --- set-up ----------------------------------------------------------------------------------------------
     def _bind_head(self, proxy_head):
@@ -241,6 +256,8 @@ class MirrorEngine:
             "adaptive_budget": cfg.adaptive_budget,
             "kappa": cfg.kappa,
             "dtype": dtype,
+            "ngram_tokens": cfg.ngram_tokens,
+            "adaptive_window": cfg.adaptive_window,
         }
         if cfg.head_placement == "draft":
             common["head"] = self._head_bundle()
@@ -270,7 +287,9 @@ class MirrorEngine:
                 f"the draft reads the target's layer-{dc.target_exit_layer} states and the proxy head splits the "
                 f"target at ℓe={self.exit_layer}: the engine computes one ℓe, so both must read the same layer"
             )
-        self.conditioned = getattr(dc, "feature_conditioning", "none") != "none"
+        if getattr(dc, "feature_conditioning", "none") != "none":
+            slots = getattr(dc, "feature_slots", None) or ["exit"]
+            self.draft_slots = [slot for slot in ("exit", "final") if slot in slots]
         return {"kind": "model", "path": path, "device": cfg.draft_device, "use_streams": cfg.use_streams, **common}
 
     def _head_bundle(self) -> str:
@@ -300,7 +319,7 @@ class MirrorEngine:
         times = []
         for _ in range(n):
             start = time.perf_counter()
-            self.draft.send(("ping",))
+            self.draft.send(Ping())
             self.draft.recv(self.config.timeout_s)
             times.append((time.perf_counter() - start) * 1000)
         return statistics.median(times)
@@ -396,149 +415,237 @@ class MirrorEngine:
     def _run(self, prompt, max_new_tokens, method, stop, reference) -> Iterator[tuple[list[int], StepStats]]:
         if method not in METHODS:
             raise MirrorTrainError(f"method must be one of {METHODS}, got {method!r}")
-        if method != "ar" and self.spec is None and self.draft is None:
+        if method in ("sd", "mirror") and self.spec is None and self.draft is None:
             raise MirrorTrainError(f"method {method!r} needs a draft; this engine has none (or its draft failed)")
+        if method == "pld" and not self.config.ngram_tokens:
+            raise MirrorTrainError("method 'pld' copies windows from the text: it needs ngram_tokens ≥ 1")
         if max_new_tokens < 1:
             raise MirrorTrainError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-        if method != "ar" and reference is None and (self.spec or {}).get("kind") == "synthetic":
+        if method in ("sd", "mirror") and reference is None and (self.spec or {}).get("kind") == "synthetic":
             raise MirrorTrainError("the synthetic draft needs reference= (the target's own continuation of the prompt)")
         ids = self._ids(prompt)
-        stops = set(stop) if stop is not None else self.stops
-        cfg, target, head = self.config, self.target, self.head
-        if method != "ar":
+        cfg = self.config
+        if method in ("sd", "mirror"):
             self.start()
-        generator = torch.Generator(device=target.device).manual_seed(cfg.seed)
-        device = target.device
+        seq = _Sequence(
+            ids=ids,
+            method=method,
+            stops=set(stop) if stop is not None else self.stops,
+            max_new_tokens=max_new_tokens,
+            generator=torch.Generator(device=self.target.device).manual_seed(cfg.seed),
+            reference=list(reference) if reference is not None else None,
+        )
         with _pinned(cfg.target_core if cfg.placement != "local" else None, cfg.threads):
-            use_draft = method != "ar" and self.draft is not None
-            conditioned = use_draft and self.conditioned
-            ref = list(reference) if reference is not None else None
-
-            def start_draft(prompt_states: torch.Tensor | None) -> bool:
-                try:
-                    look_ahead = method == "mirror" and cfg.look_ahead
-                    self.draft.send(("start", ids, cfg.gamma, ref, _wire(prompt_states), look_ahead))
-                    self._awaiting = True
-                    return True
-                except DraftUnavailable as e:
-                    self._fault(e)
-                    return False
-
-            if use_draft and not conditioned:  # the draft prefills while the target does
-                use_draft = start_draft(None)
-            cache, head_cache = target.new_cache(), head.new_cache()
-            # The whole prompt in one pass, as transformers' generate does (in bf16 a prompt fed in two parts
-            # rounds differently); its last row gives the first token. A conditioned draft gets the prompt's states
-            # but the last as soon as the prefix has them (the last goes with the first verdict).
-            on_exit = (lambda states: start_draft(states[0, :-1])) if conditioned else None
-            hidden, last = target.prefill(torch.tensor([ids], device=device), cache, self.exit_layer, on_exit)
-            if head_cache is not None:
-                head.adapt(hidden, head_cache)  # the attention head's own cache over the prompt
-            if conditioned and not self._awaiting:  # the start message could not be sent
-                use_draft = False
-            t0 = time.perf_counter()
-            first = target_tokens(last, cfg.temperature, generator)[0]
-            new, done = truncate([first], stops, max_new_tokens)
-            stats = StepStats(committed=len(new), accepted=0, window=0)
-            window: list[int] = []
-            if use_draft:
-                try:
-                    self.draft.recv(cfg.timeout_s)  # its window after the prompt: the prefill has decided that token
-                    self._awaiting = False
-                    if not done:
-                        states = _wire(hidden[0, -1:]) if self.conditioned else None
-                        self.draft.send(("verdict", 0, first, states))
-                        self._awaiting = True
-                        window = self.draft.recv(cfg.timeout_s)[1]
-                        self._awaiting = False
-                except DraftUnavailable as e:
-                    self._fault(e)
-                    use_draft, window = False, []
-            stats.step_ms = stats.wait_ms = (time.perf_counter() - t0) * 1e3
-            stats.predicted_ms = stats.step_ms
-            yield new, stats
-            if done:
-                return
-            pending, cached = first, len(ids)
-            while True:
-                t0 = time.perf_counter()
-                stats = StepStats(committed=0, accepted=0, window=len(window))
-                inp = torch.tensor([[pending] + window], device=device)
-                state = target.prefix(inp, cache, self.exit_layer)
-                t1 = t2 = t3 = time.perf_counter()
-                asked = False
-                if method == "mirror" and use_draft and window:
-                    if cfg.head_placement == "target":
-                        candidates = head.window_candidates(state.hidden[0], window, cfg.kappa, head_cache)
-                        states = _wire(state.hidden[0]) if self.conditioned else None
-                        msg = ("branches", *candidates, self._suffix_ms, states)
-                    else:  # the ℓe states cross instead: (γ+1)·H floats
-                        msg = ("hidden", _wire(state.hidden[0]), self._suffix_ms)
-                    t2 = time.perf_counter()
-                    try:
-                        self.draft.send(msg)
-                        asked = True
-                    except DraftUnavailable as e:
-                        self._fault(e)
-                        use_draft = False
-                    t3 = time.perf_counter()
-                logits = target.suffix(state)[0]  # (γ+1, V)
-                t4 = time.perf_counter()
-                y = target_tokens(logits, cfg.temperature, generator)
-                accepted, correction = accept(window, y)
-                Target.crop(cache, cached + 1 + accepted)
-                if head_cache is not None:
-                    Target.crop(head_cache, cached + 1 + accepted)
-                cached += 1 + accepted
-                out, done = truncate(new + window[:accepted] + [correction], stops, max_new_tokens)
-                chunk, new = out[len(new) :], out
-                t5 = time.perf_counter()
-                info, next_window = {}, []
-                if use_draft and not done:
-                    # A conditioned draft that got no branches message this step gets the committed states here.
-                    states = _wire(state.hidden[0, : accepted + 1]) if self.conditioned and not asked else None
-                    try:
-                        self.draft.send(("verdict", accepted, correction, states, self._prefix_ms))
-                        self._awaiting = True
-                        _, next_window, info = self.draft.recv(cfg.timeout_s)
-                        self._awaiting = False
-                    except DraftUnavailable as e:
-                        self._fault(e)
-                        use_draft = False
-                        next_window = []
-                t6 = time.perf_counter()
-                stats.committed, stats.accepted = len(chunk), accepted
-                stats.prefix_ms, stats.head_ms, stats.send_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
-                stats.suffix_ms, stats.wait_ms, stats.step_ms = (t4 - t3) * 1e3, (t6 - t5) * 1e3, (t6 - t0) * 1e3
-                if "candidates" in info:  # the proxy's top-κ where the window stopped: online hit_κ and Ω_κ
-                    probs = torch.softmax(logits[accepted].float(), dim=-1)
-                    stats.hit = correction in info["candidates"]
-                    stats.omega = float(probs[torch.tensor(info["candidates"])].sum())
-                if info:
-                    stats.reused = info["reused"] if method == "mirror" else None
-                    stats.branches = info.get("branches", 0)
-                    stats.branch_ms, stats.fallback_ms = info.get("branch_ms", 0.0), info.get("fallback_ms", 0.0)
-                    stats.draft_forwards = info.get("forwards", 0)
-                if window:
-                    self._prefix_ms = _ema(self._prefix_ms, stats.prefix_ms)
-                if asked:
-                    self._suffix_ms = _ema(self._suffix_ms, stats.suffix_ms)
-                stats.predicted_ms = (
-                    predicted_step_ms(
-                        method if window else "ar",
-                        stats.prefix_ms,
-                        stats.head_ms,
-                        stats.suffix_ms,
-                        stats.branch_ms,
-                        stats.fallback_ms,
-                        stats.send_ms + (self.channel_ms if info else 0.0),
-                    )
-                    + (t5 - t4) * 1e3
-                )
+            if method != "ar" and cfg.adaptive_window and self._costs is None:
+                self._costs = self._measure_costs()
+            seq.channel = self._pld_channel() if method == "pld" else self.draft if method != "ar" else None
+            stats = self._prefill(seq)
+            yield seq.new, stats
+            while not seq.done:
+                chunk, stats = self._step(seq)
                 yield chunk, stats
-                if done:
-                    return
-                pending, window = correction, next_window
+
+    # --- one sequence: the prompt, then verification steps ------------------------------------------------------
+    def _prefill(self, seq: _Sequence) -> StepStats:
+        """The whole prompt in one pass, as transformers' generate does (in bf16 a prompt fed in two parts rounds
+        differently); its last row gives the first token. The draft prefills meanwhile: at once for a token-only
+        draft, with the prompt's ℓe states once the prefix has them, or after the pass for a draft that reads the
+        target's final states. Then the first window, drafted after the first token."""
+        cfg, target, head = self.config, self.target, self.head
+        slots = self.draft_slots if seq.method in ("sd", "mirror") else []
+        if seq.channel is not None and not slots:
+            self._send(seq, self._start_message(seq, None))
+        seq.cache, seq.head_cache = target.new_cache(), head.new_cache()
+        early = slots == ["exit"]  # everything the draft reads is known half way through the prefill
+        on_exit = None
+        if early:
+            on_exit = lambda states: self._send(seq, self._start_message(seq, {"exit": states[0, :-1]}))  # noqa: E731
+        prompt = torch.tensor([seq.ids], device=target.device)
+        hidden, last, final = target.prefill(prompt, seq.cache, self.exit_layer, on_exit)
+        if seq.head_cache is not None:
+            head.adapt(hidden, seq.head_cache)  # the attention head's own cache over the prompt
+        states = {"exit": hidden[0], "final": final[0]}
+        if slots and not early:
+            self._send(seq, self._start_message(seq, {slot: states[slot][:-1] for slot in slots}))
+        t0 = time.perf_counter()
+        first = target_tokens(last, cfg.temperature, seq.generator)[0]
+        seq.new, seq.done = truncate([first], seq.stops, seq.max_new_tokens)
+        stats = StepStats(committed=len(seq.new), accepted=0, window=0)
+        if seq.channel is not None:
+            self._receive(seq)  # its window after the prompt: the prefill has decided that token
+            if not seq.done:
+                verdict = Verdict(0, first, _wire({slot: states[slot][-1:] for slot in slots}), None, self._costs)
+                self._send(seq, verdict)
+                reply = self._receive(seq)
+                seq.window = list(reply.tokens) if reply is not None else []
+        stats.step_ms = stats.wait_ms = stats.predicted_ms = (time.perf_counter() - t0) * 1e3
+        seq.pending, seq.cached = first, len(seq.ids)
+        return stats
+
+    def _step(self, seq: _Sequence) -> tuple[list[int], StepStats]:
+        """One verification: the target's prefix over [pending, window]; Mirror-SD's branch request; its suffix;
+        acceptance; the cache rolled back to the committed tokens; the verdict, answered by the next window."""
+        cfg, target, head = self.config, self.target, self.head
+        window, slots = seq.window, self.draft_slots if seq.method in ("sd", "mirror") else []
+        t0 = time.perf_counter()
+        stats = StepStats(committed=0, accepted=0, window=len(window))
+        state = target.prefix(torch.tensor([[seq.pending] + window], device=target.device), seq.cache, self.exit_layer)
+        t1 = t2 = t3 = time.perf_counter()
+        asked = False
+        if seq.method == "mirror" and seq.channel is not None and window:
+            exit_states = {"exit": state.hidden[0]} if "exit" in slots or cfg.head_placement == "draft" else None
+            candidates = None
+            if cfg.head_placement == "target":
+                candidates = Candidates(*head.window_candidates(state.hidden[0], window, cfg.kappa, seq.head_cache))
+            t2 = time.perf_counter()
+            asked = self._send(seq, Branches(self._suffix_ms, candidates, _wire(exit_states)))
+            t3 = time.perf_counter()
+        logits, final = target.suffix_states(state)  # (1, γ+1, V), (1, γ+1, H)
+        t4 = time.perf_counter()
+        y = target_tokens(logits[0], cfg.temperature, seq.generator)
+        accepted, correction = accept(window, y)
+        seq.cached += 1 + accepted
+        Target.crop(seq.cache, seq.cached)
+        if seq.head_cache is not None:
+            Target.crop(seq.head_cache, seq.cached)
+        out, seq.done = truncate(seq.new + window[:accepted] + [correction], seq.stops, seq.max_new_tokens)
+        chunk, seq.new = out[len(seq.new) :], out
+        self._verify_samples.append((len(window), (t1 - t0 + t4 - t3) * 1e3))
+        t5 = time.perf_counter()
+        info, seq.window = {}, []
+        if seq.channel is not None and not seq.done:
+            committed = {"exit": state.hidden[0], "final": final[0]}
+            # the committed positions' states the draft reads and has not had: ℓe ones unless a Branches brought
+            # them, final ones always
+            sent = {slot: committed[slot][: accepted + 1] for slot in slots if slot == "final" or not asked}
+            costs = self._current_costs()
+            if self._send(seq, Verdict(accepted, correction, _wire(sent), self._prefix_ms, costs)):
+                reply = self._receive(seq)
+                if reply is not None:
+                    seq.window, info = list(reply.tokens), reply.info
+        t6 = time.perf_counter()
+        stats.committed, stats.accepted = len(chunk), accepted
+        stats.prefix_ms, stats.head_ms, stats.send_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
+        stats.suffix_ms, stats.wait_ms, stats.step_ms = (t4 - t3) * 1e3, (t6 - t5) * 1e3, (t6 - t0) * 1e3
+        if "candidates" in info:  # the proxy's top-κ where the window stopped: online hit_κ and Ω_κ
+            probs = torch.softmax(logits[0, accepted].float(), dim=-1)
+            stats.hit = correction in info["candidates"]
+            stats.omega = float(probs[torch.tensor(info["candidates"])].sum())
+        if info:
+            stats.reused = info.get("reused") if seq.method == "mirror" else None
+            stats.branches = info.get("branches", 0)
+            stats.branch_ms, stats.fallback_ms = info.get("branch_ms", 0.0), info.get("fallback_ms", 0.0)
+            stats.draft_forwards = info.get("forwards", 0)
+            stats.source = info.get("source")
+        if window:
+            self._prefix_ms = _ema(self._prefix_ms, stats.prefix_ms)
+        if asked:
+            self._suffix_ms = _ema(self._suffix_ms, stats.suffix_ms)
+        stats.predicted_ms = (
+            predicted_step_ms(
+                seq.method if window and seq.method != "pld" else "ar",
+                stats.prefix_ms,
+                stats.head_ms,
+                stats.suffix_ms,
+                stats.branch_ms,
+                stats.fallback_ms,
+                stats.send_ms + (self.channel_ms if info and seq.method != "pld" else 0.0),
+            )
+            + (t5 - t4) * 1e3
+        )
+        seq.pending = correction
+        return chunk, stats
+
+    # --- the channel, faults, costs -------------------------------------------------------------------------------
+    def _start_message(self, seq: _Sequence, states) -> Start:
+        look_ahead = seq.method == "mirror" and self.config.look_ahead
+        return Start(seq.ids, self.config.gamma, seq.reference, _wire(states), look_ahead, self._costs)
+
+    def _send(self, seq: _Sequence, msg) -> bool:
+        """Send to the sequence's draft; a draft that is gone is a fault (generation goes on without it)."""
+        if seq.channel is None:
+            return False
+        try:
+            seq.channel.send(msg)
+            if seq.channel is self.draft:
+                self._awaiting = not isinstance(msg, Branches)
+            return True
+        except DraftUnavailable as e:
+            self._drop(seq, e)
+            return False
+
+    def _receive(self, seq: _Sequence):
+        if seq.channel is None:
+            return None
+        try:
+            reply = seq.channel.recv(self.config.timeout_s)
+            self._awaiting = False
+            return reply
+        except DraftUnavailable as e:
+            self._drop(seq, e)
+            return None
+
+    def _drop(self, seq: _Sequence, err: Exception) -> None:
+        if seq.channel is self.draft:
+            self._fault(err)
+        seq.channel, seq.window = None, []
+
+    def _pld_channel(self) -> LocalDraft:
+        """Prompt lookup alone: the draft server with no model, in-process (a copy costs microseconds)."""
+        if self._pld is None:
+            cfg = self.config
+            spec = {"kind": "ngram", "ngram_tokens": cfg.ngram_tokens, "adaptive_window": cfg.adaptive_window}
+            self._pld = LocalDraft(spec)
+        return self._pld
+
+    def _current_costs(self) -> list[float] | None:
+        """The target's relative verification cost by window length: fitted to the steps measured so far, else the
+        start-up measurement."""
+        if not self.config.adaptive_window:
+            return None
+        fitted = fit_costs(self._verify_samples, self._widest())
+        return fitted if fitted is not None else self._costs
+
+    def _widest(self) -> int:
+        return max(self.config.gamma, self.config.ngram_tokens)
+
+    @torch.inference_mode()
+    def _measure_costs(self, context: int = 128, repeats: int = 3) -> list[float]:
+        """The target's verification cost by window length, measured once on a dummy context (random tokens), as
+        the relative median step time of windows of 0, 1, 2, 4, ... drafted tokens; every step then refines it."""
+        target = self.target
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, target.vocab_size, (1, context + self._widest() + 1), generator=generator)
+        cache = target.new_cache()
+        target.forward(ids[:, :context].to(target.device), cache)
+        widths = sorted({0, 1, 2, *range(4, self._widest() + 1, 4), self._widest()})
+        for _ in range(repeats):
+            for w in widths:
+                start = time.perf_counter()
+                target.forward(ids[:, context : context + w + 1].to(target.device), cache)
+                self._verify_samples.append((w, (time.perf_counter() - start) * 1e3))
+                Target.crop(cache, context)
+        return fit_costs(self._verify_samples, self._widest())
+
+
+@dataclass
+class _Sequence:
+    """One generation's state: the committed tokens, the target's caches, the window being verified."""
+
+    ids: list[int]
+    method: str
+    stops: set[int]
+    max_new_tokens: int
+    generator: torch.Generator
+    reference: list[int] | None = None
+    channel: object = None  # the draft this sequence talks to (None: target-only, or the draft failed)
+    new: list[int] = field(default_factory=list)
+    done: bool = False
+    cache: object = None
+    head_cache: object = None
+    cached: int = 0  # positions in the target's cache
+    pending: int = 0  # the newest committed token, not yet in the target's cache
+    window: list[int] = field(default_factory=list)
 
 
 def _ema(mean: float | None, x: float) -> float:
@@ -546,9 +653,9 @@ def _ema(mean: float | None, x: float) -> float:
     return x if mean is None else 0.8 * mean + 0.2 * x
 
 
-def _wire(states: torch.Tensor | None):
-    """ℓe states as they cross the channel: float32 numpy (a few KB a step; the prompt's once)."""
-    return None if states is None else states.float().cpu().numpy()
+def _wire(states: dict[str, torch.Tensor] | None):
+    """Target states as they cross the channel: slot → float32 numpy (a few KB a step; the prompt's once)."""
+    return {slot: x.float().cpu().numpy() for slot, x in states.items()} if states else None
 
 
 @contextmanager

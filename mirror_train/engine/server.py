@@ -1,27 +1,27 @@
 """The draft side of the engine: a message handler around a draft backend, the same in a worker process, in a
-torch.distributed peer or in-process.
-
-Messages (tuples; only token ids, log-probs and a few numbers cross, and for a feature-conditioned draft the
-target's ℓe states of the positions it just ran):
-    ("start", prompt, γ, reference, states)   → ("window", tokens, info)    prefill, then roll out the first window
-    ("branches", cand_ids, cand_logp, window_logp, deadline_ms, states)     rank and roll out branches; no reply
-    ("hidden", ℓe states, deadline_ms)                                      the same, the proxy head running here
-    ("verdict", A, c*, states)                → ("window", tokens, info)    commit; the next window: the rolled-out
-                                                                              branch (A, c*) if there is one, else a
-                                                                              serial rollout (the fallback)
-    ("ping",)                                 → ("pong",)                   the channel's round trip
-    ("stop",)                                                               exit the worker loop
-`states` is None for a token-only draft. At "start" they are the prompt's but its last token's; with "branches"
-(or "hidden") those of the window [the newest committed token, d_1..d_γ]; with a verdict, when no branches message
-brought them this step, those of the newest committed token and the accepted d_1..d_A.
+torch.distributed peer or in-process. The messages are in messages.py.
 
 Bookkeeping: `tokens` are the committed tokens; the backend's cache holds the first `cached` of them (always all
-but at least the last one, whose logits a rollout reads). A rollout's spine is tokens[cached:] + the window.
-A feature-conditioned draft reads at each token the state of the token before it (EAGLE's pairing,
-`paired_features`): `states` holds the state of every committed token but the last (the target has not run it
-yet), so every committed token, the correction c* included, can be fed with its pair, and so can the window and
-the branch roots once the target has run its prefix over the window. The cache keeps only nodes fed that way;
-tokens the draft rolls out itself read no state and are dropped from its cache after the step.
+but at least the last one, whose logits a rollout reads), each fed with what a committed token reads. A rollout's
+spine is tokens[cached:] + the window.
+
+What each fed node reads (a feature-conditioned draft, models/drafter.py; EAGLE's pairing: the states of the token
+before it), exactly as training showed it (drafter_training.py):
+    a committed token        the target's slots (exit; + final for the freshest features) of its predecessor
+    a window token d_i       own: the draft state that predicted it; exit: d_{i-1}'s ℓe state once the target has
+                             run its prefix over the window (Branches), else nothing
+    a branch root c at r     exit: the ℓe state of the window token it follows; own: the state that predicted
+                             d_{r+1} (c stands where d_{r+1} stood)
+    a token rolled out       own: the state that predicted it
+A window node therefore reads something else than the committed token it may become; where the difference matters
+(own or final slots) the kept cache holds only the committed tokens fed as committed ones, and the window's accepted
+tokens are fed again as committed ones in the next rollout's spine (a few more nodes in a forward the draft runs
+anyway). A draft with the exit slot alone reads the same either way and keeps them.
+
+Which window, and how long (window.py): every window the server hands out is chosen from the model's drafted tokens
+and a copy of the committed text (prompt lookup, ngram.py), whichever promises more committed tokens per unit of
+the target's verification time, and cut to the length that maximises it (`adaptive_window`), with acceptance
+calibrated online from every verdict. With no model (`backend=None`) the server is the engine's `pld` method.
 """
 
 from __future__ import annotations
@@ -33,14 +33,37 @@ from collections import deque
 import torch
 
 from mirror_train.engine.branches import AcceptanceModel, fit_budget, rank_branches, rollout_line
+from mirror_train.engine.messages import Branches, Ping, Pong, Start, Verdict, Window
+from mirror_train.engine.ngram import NgramIndex
+from mirror_train.engine.window import Calibration, best_length, prob_key
+from mirror_train.models.drafter import Rollout
+
+TARGET_SLOTS = ("exit", "final")
 
 
 class DraftServer:
-    """backend: a draft backend (drafts.py); head: a proxy head bound to a `HeadEnd`, when the proxy head runs on
-    the draft's side (then "hidden" messages bring the target's ℓe states instead of candidates); kappa: its κ."""
+    """backend: a draft backend (drafts.py), or None for prompt lookup alone; head: a proxy head bound to a
+    `HeadEnd`, when the proxy head runs on the draft's side (then Branches bring the target's ℓe states instead of
+    candidates); kappa: its κ; ngram_tokens: the longest copied window (0: no prompt lookup); adaptive_window: cut
+    each window to its best length (module docstring; else the model's whole γ)."""
 
-    def __init__(self, backend, branch_budget: int = 8, adaptive_budget: bool = True, head=None, kappa: int = 4):
+    def __init__(
+        self,
+        backend,
+        branch_budget: int = 8,
+        adaptive_budget: bool = True,
+        head=None,
+        kappa: int = 4,
+        ngram_tokens: int = 0,
+        adaptive_window: bool = False,
+    ):
         self.backend = backend
+        self.ngram = NgramIndex() if ngram_tokens else None
+        self.ngram_tokens = ngram_tokens
+        self.adaptive_window = adaptive_window
+        self.calibration = Calibration()  # P(kept) of a window token, by source and key (window.py)
+        self.costs: list[float] = []  # the target's relative verification cost by window length (from the engine)
+        self.window_keys: list = []  # the calibration keys of the window being verified
         self.head = head
         self.kappa = kappa
         self.acceptance = AcceptanceModel()  # learns from every verdict; persists across sequences
@@ -53,69 +76,84 @@ class DraftServer:
         self.tokens: list[int] = []
         self.cached = 0
         self.window: list[int] = []
-        self.rolled: dict[tuple[int, int], list[int]] = {}
+        self.window_pairs: torch.Tensor | None = None  # (γ, H_draft): the state that predicted each window token
+        self.rolled: dict[tuple[int, int], tuple[list[int], torch.Tensor | None]] = {}  # branch → tokens, pairs
         self.rolled_spine = 0  # pending committed tokens at the head of the last branch rollout's spine (0: none)
         self.branch_ms = 0.0
         self.num_branches = 0
-        self.conditioned = getattr(backend, "conditioned", False)
-        self.states = _States()  # ℓe states of tokens[:-1] (feature-conditioned drafts only)
-        self.window_states: torch.Tensor | None = None  # this step's: the newest committed token, then the window
+        self.widths: dict[str, int] = dict(getattr(backend, "widths", {}))  # slot → width the draft reads
+        self.target_slots = [s for s in self.widths if s in TARGET_SLOTS]
+        self.own = "own" in self.widths
+        self.refeed = self.own or "final" in self.widths  # module docstring
+        self.states = {slot: _States() for slot in self.target_slots}  # of tokens[:-1]
+        self.window_states: torch.Tensor | None = None  # this step's ℓe states: the newest committed token, window
         self.look_ahead = False  # Mirror-SD: draft on past the window while the target runs its prefix
-        self.ahead: list[int] = []  # the draft's own continuation past the window (look-ahead), this step
+        self.ahead: Rollout | None = None  # the draft's own continuation past the window (look-ahead), this step
 
-    def handle(self, msg: tuple):
+    @property
+    def conditioned(self) -> bool:
+        return bool(self.target_slots)
+
+    def handle(self, msg):
         """Handle one message: returns (reply or None, work to do after the reply is sent or None)."""
-        kind = msg[0]
-        if kind == "start":
-            return self._start(*msg[1:])
-        if kind == "branches":
-            self._branches(*msg[1:])
+        if isinstance(msg, Start):
+            return self._start(msg)
+        if isinstance(msg, Branches):
+            self._branches(msg)
             return None, None
-        if kind == "hidden":
-            start = time.perf_counter()
-            hidden = torch.as_tensor(msg[1])
-            candidates = self.head.window_candidates(hidden.to(self.head.dtype), self.window, self.kappa)
-            deadline = msg[2]
-            if deadline is not None:  # the head's time here comes out of the rollout's share of the target's suffix
-                deadline -= (time.perf_counter() - start) * 1000
-            self._branches(*candidates, deadline, hidden)
-            return None, None
-        if kind == "verdict":
-            return self._verdict(*msg[1:])
-        if kind == "ping":
-            return ("pong",), None
-        raise ValueError(f"unknown message {kind!r}")
+        if isinstance(msg, Verdict):
+            return self._verdict(msg)
+        if isinstance(msg, Ping):
+            return Pong(), None
+        raise ValueError(f"unknown message {type(msg).__name__}")
 
     # --- messages --------------------------------------------------------------------------------------------
-    def _start(self, prompt, gamma, reference=None, states=None, look_ahead=False):
-        self.gamma = int(gamma)
-        self.look_ahead, self.ahead = bool(look_ahead), []
-        self.tokens = list(prompt)
-        self.states = _States()
+    def _start(self, msg: Start):
+        self.gamma = int(msg.gamma)
+        self.costs = list(msg.costs or self.costs)
+        if self.ngram is not None:
+            self.ngram.reset(msg.prompt)
+        self.look_ahead, self.ahead = bool(msg.look_ahead), None
+        self.tokens = list(msg.prompt)
+        self.states = {slot: _States() for slot in self.target_slots}
         self.window_states = None
-        if self.conditioned:
-            self.states.append(_tensor(states, len(self.tokens) - 1, "the prompt"))
-        self.backend.reset(self.tokens, reference, self._paired(0, len(self.tokens) - 1))
+        self._append_states(msg.states, len(self.tokens) - 1, "the prompt")
+        if self.backend is not None:
+            self.backend.reset(self.tokens, msg.reference, self._committed(0, len(self.tokens) - 1))
         self.cached = len(self.tokens) - 1
         self.rolled, self.rolled_spine = {}, 0
         self.window_p = self.cands = None  # a sequence that ended mid-step leaves no verdict to learn from
-        if self.adaptive_budget and len({n for n, _ in self.samples}) < 2:
+        self.window_keys = []
+        if self.backend is not None and self.adaptive_budget and len({n for n, _ in self.samples}) < 2:
             self._calibrate()
         return self._fallback({"reused": False, "branches": 0, "branch_ms": 0.0})
 
-    def _branches(self, cand_ids, cand_logp, window_logp, deadline_ms, states=None):
-        if self.conditioned:
-            self.window_states = _tensor(states, 1 + len(self.window), "the window")
+    def _branches(self, msg: Branches):
+        start = time.perf_counter()
+        deadline = msg.deadline_ms
+        exit_states = None
+        if "exit" in self.target_slots or msg.candidates is None:  # the draft or the head here reads them
+            exit_states = _tensor((msg.states or {}).get("exit"), 1 + len(self.window), "the window")
+        candidates = msg.candidates
+        if candidates is None:  # the proxy head runs here, on the window's ℓe states
+            ids, logp, window_logp = self.head.window_candidates(
+                exit_states.to(self.head.dtype), self.window, self.kappa
+            )
+            if deadline is not None:  # the head's time here comes out of the rollout's share of the target's suffix
+                deadline -= (time.perf_counter() - start) * 1000
+        else:
+            ids, logp, window_logp = candidates.ids, candidates.logp, candidates.window_logp
+        self.window_states = exit_states if "exit" in self.target_slots else None
         self.window_p = [math.exp(lp) for lp in window_logp]
-        self.cands = cand_ids
+        self.cands = ids
         accept_prob = self.acceptance.predict(self.window_p)
-        ranked = rank_branches(self.window, cand_ids, cand_logp, window_logp, accept_prob, self.branch_budget)
+        ranked = rank_branches(self.window, ids, logp, window_logp, accept_prob, self.branch_budget)
         # The look-ahead (drafted during the prefix) is the branch "whole window kept, c* = the draft's own next
         # token": it rides on the spine and is completed in the same tree; the others share the rest of the time.
-        ahead = self.ahead if len(self.ahead) > 1 else []
+        ahead = self.ahead.tokens if self.ahead is not None and len(self.ahead.tokens) > 1 else []
         if ahead:
             ranked = [b for b in ranked if (b[0], b[1]) != (len(self.window), ahead[0])]
-        depth, n = self._shape(ranked, deadline_ms) if self.adaptive_budget else (self.gamma, len(ranked))
+        depth, n = self._shape(ranked, deadline) if self.adaptive_budget else (self.gamma, len(ranked))
         chosen = ranked[:n]
         pending = len(self.tokens) - self.cached
         spine = self.tokens[self.cached :] + self.window
@@ -124,34 +162,42 @@ class DraftServer:
         if ahead and missing > 0:
             branches.append((len(spine) + len(ahead) - 1, None))
         features = None
-        if self.conditioned:  # spine nodes, then each branch's token: paired with the state of the node before
-            roots = [self.cached + anchor for anchor, c in branches if c is not None]
-            paired = self._paired(self.cached, len(spine) + (1 if ahead else 0))  # ahead[0] reads d_γ's state
-            blank = torch.zeros(max(len(ahead) - 1, 0), paired.shape[1])  # drafted tokens read none
-            features = torch.cat([paired, blank, self._rows(roots)])
+        if self.conditioned:  # spine nodes (committed, window, look-ahead), then each branch's token
+            blocks = [self._committed(self.cached, pending), self._window_nodes(exit_known=True)]
+            if ahead:
+                blocks.append(self._ahead_nodes())
+            blocks += [self._root(r) for r, _, _ in chosen]
+            features = _join(blocks)
         start = time.perf_counter()
-        drafted = self.backend.rollout(spine + ahead, branches, depth, features)[0] if branches else []
+        rollouts = self.backend.rollout(spine + ahead, branches, depth, features) if branches else []
         self.branch_ms = (time.perf_counter() - start) * 1000
         if chosen:
             self.samples.append((len(branches), self.branch_ms * self.gamma / depth))  # in whole-window rollouts
-        self.rolled = {(r, c): tokens for (r, c, _), tokens in zip(chosen, drafted, strict=False)}
+        self.rolled = {(r, c): rollouts[i] for i, (r, c, _) in enumerate(chosen)}
         if ahead:
-            rest = drafted[-1] if missing > 0 else []
-            self.rolled[(len(self.window), ahead[0])] = (ahead[1:] + rest)[: self.gamma]
+            rest = rollouts[-1] if missing > 0 else None
+            self.rolled[(len(self.window), ahead[0])] = _joined(self.ahead, 1, rest, self.gamma)
         self.rolled_spine = pending if branches else 0  # nothing fed: the verdict falls back (κ = 1 edge cases)
         self.num_branches = len(chosen)
 
-    def _verdict(self, accepted, correction, states=None, prefix_ms=None):
-        accepted, correction = int(accepted), int(correction)
-        self.ahead = []
+    def _verdict(self, msg: Verdict):
+        accepted, correction = int(msg.accepted), int(msg.correction)
+        self.ahead = None
         if self.conditioned:  # the states of the newest committed token and of d_1..d_A become committed ones
-            if states is not None:
-                self.window_states = _tensor(states, 1 + accepted, "the verdict")
-            if self.window_states is None or len(self.window_states) < 1 + accepted:
-                raise ValueError("a feature-conditioned draft needs the window's target states with each step")
-            self.states.append(self.window_states[: 1 + accepted])
+            states = dict(msg.states or {})
+            if "exit" in self.target_slots and "exit" not in states:
+                if self.window_states is None:
+                    raise ValueError("a draft that reads ℓe states needs the window's with each step; none came")
+                states["exit"] = self.window_states
+            self._append_states(states, 1 + accepted, "the verdict")
             self.window_states = None
-        self.tokens += self.window[:accepted] + [correction]
+        committed = self.window[:accepted] + [correction]
+        self.tokens += committed
+        if self.ngram is not None:
+            self.ngram.extend(committed)
+        if msg.costs:
+            self.costs = list(msg.costs)
+        self.calibration.update(self.window_keys, accepted)
         info = {"branches": self.num_branches, "branch_ms": self.branch_ms if self.rolled_spine else 0.0}
         if self.window_p is not None:  # learn the acceptance rate; report the candidates where the window stopped
             self.acceptance.update(self.window_p, accepted)
@@ -159,19 +205,19 @@ class DraftServer:
             self.window_p = self.cands = None
         hit = self.rolled.get((accepted, correction))
         if self.rolled_spine:
-            keep = self.rolled_spine + accepted  # the pending tokens and the accepted window, not c*
+            # the pending tokens, and the accepted window unless it must be fed again as committed tokens
+            keep = self.rolled_spine + (0 if self.refeed else accepted)
             self.rolled, self.rolled_spine, self.num_branches = {}, 0, 0
-            if hit is not None and len(hit) < self.gamma:
+            if hit is not None and len(hit.tokens) < self.gamma:
                 self._keep(keep)
                 reply, _ = self._extend(hit, info)
-                return reply, self._then_look_ahead(len(self.tokens) - self.cached - 1, prefix_ms)
+                return reply, self._then_look_ahead(len(self.tokens) - self.cached - 1, msg.prefix_ms)
             if hit is not None:
-                self.window = hit
-                reply = ("window", hit, info | {"reused": True, "fallback_ms": 0.0})
-                return reply, self._then_look_ahead(keep, prefix_ms)
+                reply = self._offer(hit, info | {"reused": True, "fallback_ms": 0.0})
+                return reply, self._then_look_ahead(keep, msg.prefix_ms)
             self._keep(keep)
         reply, _ = self._fallback(info | {"reused": False})
-        return reply, self._then_look_ahead(len(self.tokens) - self.cached - 1, prefix_ms)
+        return reply, self._then_look_ahead(len(self.tokens) - self.cached - 1, msg.prefix_ms)
 
     # --- helpers ---------------------------------------------------------------------------------------------
     def _keep(self, n: int) -> None:
@@ -182,31 +228,53 @@ class DraftServer:
         """Roll out the next window serially from the committed context; reply first, prune the cache after."""
         committed = len(self.tokens) - self.cached
         start = time.perf_counter()
-        self.window, forwards = self._serial([], self.gamma)
-        info = info | {"fallback_ms": (time.perf_counter() - start) * 1000, "forwards": forwards}
-        return ("window", self.window, info), lambda: self._keep(committed - 1)
+        drafted = self._serial(Rollout([], [], 0, [], None), self.gamma)
+        info = info | {"fallback_ms": (time.perf_counter() - start) * 1000, "forwards": drafted.num_forwards}
+        return self._offer(drafted, info), lambda: self._keep(committed - 1)
 
-    def _extend(self, partial: list[int], info: dict):
-        """Reuse a branch rolled out short of γ and draft the rest serially: γ − depth passes, not a fallback's γ.
-        Its drafted tokens have no target states yet: they read none (zeros), as in the rollout that made them."""
+    def _extend(self, partial: Rollout, info: dict):
+        """Reuse a branch rolled out short of γ and draft the rest serially: γ − depth passes, not a fallback's γ."""
         committed = len(self.tokens) - self.cached
         start = time.perf_counter()
-        rest, forwards = self._serial(partial, self.gamma - len(partial))
-        self.window = partial + rest
-        info = info | {"reused": True, "fallback_ms": (time.perf_counter() - start) * 1000, "forwards": forwards}
-        return ("window", self.window, info), lambda: self._keep(committed - 1)
+        rest = self._serial(partial, self.gamma - len(partial.tokens))
+        whole = _joined(partial, 0, rest, self.gamma)
+        ms = (time.perf_counter() - start) * 1000
+        info = info | {"reused": True, "fallback_ms": ms, "forwards": rest.num_forwards}
+        return self._offer(whole, info), lambda: self._keep(committed - 1)
 
-    def _serial(self, tail: list[int], n: int) -> tuple[list[int], int]:
-        """Draft `n` tokens one branch deep after the committed tokens the cache lacks and the drafted `tail`
-        (whose tokens have no target states yet: they read none, zeros). Returns the tokens and the forwards."""
+    def _offer(self, drafted: Rollout, info: dict) -> Window:
+        """The next window: the model's drafted tokens or a copy of the committed text, whichever promises more
+        committed tokens per unit of verification time, cut to its best length (module docstring)."""
+        keys = [("model", prob_key(math.exp(lp))) for lp in drafted.logprobs]
+        options = [(drafted.tokens, drafted.pairs, keys, "model")]
+        if self.ngram is not None:
+            copy, n = self.ngram.propose(self.ngram_tokens)
+            if copy:
+                agree = bool(drafted.tokens) and drafted.tokens[0] == copy[0]
+                options.append((copy, None, [("ngram", min(n, 3), agree)] * len(copy), "ngram"))
+        best = None
+        for tokens, pairs, keys, source in options:
+            if self.adaptive_window:
+                length, rate = best_length(self.calibration.predict(keys), self.costs)
+            else:
+                length, rate = len(tokens), 0.0 if source == "ngram" else 1.0  # the model's whole window
+            if best is None or rate > best[0]:
+                best = (rate, tokens[:length], None if pairs is None else pairs[:length], keys[:length], source)
+        _, self.window, self.window_pairs, self.window_keys, source = best
+        return Window(list(self.window), info | {"source": source})
+
+    def _serial(self, tail: Rollout, n: int) -> Rollout:
+        """Draft `n` tokens one branch deep after the committed tokens the cache lacks and the drafted `tail` (which
+        read the states that predicted them, and no target state yet)."""
+        if self.backend is None or n < 1:
+            return Rollout([], [], 0, [], None)
         committed = self.tokens[self.cached :]
-        spine = committed + tail
+        spine = committed + tail.tokens
         features = None
         if self.conditioned:
-            paired = self._paired(self.cached, len(committed))
-            features = torch.cat([paired, paired.new_zeros(len(tail), paired.shape[1])])
-        drafted, forwards = self.backend.rollout(spine, [(len(spine) - 1, None)], n, features)
-        return drafted[0], forwards
+            tail_block = self._drafted(len(tail.tokens), tail.pairs)
+            features = _join([self._committed(self.cached, len(committed)), tail_block])
+        return self.backend.rollout(spine, [(len(spine) - 1, None)], n, features)[0]
 
     def _then_look_ahead(self, keep: int, prefix_ms: float | None):
         """The work after a window is sent: prune the cache to the committed path, then (Mirror-SD) look ahead."""
@@ -228,10 +296,11 @@ class DraftServer:
         if line is not None and prefix_ms is not None:
             per_pass = (line[0] + line[1]) / self.gamma
             depth = max(0, min(depth, int(prefix_ms // max(per_pass, 1e-6))))
-        if depth < 2:
+        if depth < 2 or self.backend is None or not self.window:
             return
-        self.ahead, _ = self._serial(self.window, depth)
-        self.backend.keep(len(self.tokens) - self.cached - 1)  # as before: committed tokens but the newest
+        window = Rollout(self.window, [], 0, [], self.window_pairs)
+        self.ahead = self._serial(window, depth)
+        self._keep(len(self.tokens) - self.cached - 1)  # the committed tokens it fed (as such), but the newest
 
     def _shape(self, ranked: list[tuple[int, int, float]], deadline_ms: float | None) -> tuple[int, int]:
         """(depth, branches) of this step's rollout: of the shapes that fit the target's suffix, the one that saves
@@ -251,30 +320,85 @@ class DraftServer:
         """Time rollouts of 1 and of the whole budget on the fresh context, so `fit_budget` has a line to fit."""
         last = self.tokens[-1]
         for n in (1, self.branch_budget, 1, self.branch_budget):
+            features = _join([self._committed(len(self.tokens) - 1, 1)] + [self._drafted(1, None)] * n)
             start = time.perf_counter()
-            self.backend.rollout([last], [(0, last)] * n, self.gamma)
+            self.backend.rollout([last], [(0, last)] * n, self.gamma, features)
             self.samples.append((n, (time.perf_counter() - start) * 1000))
             self.backend.keep(0)
 
-    # --- feature conditioning --------------------------------------------------------------------------------
-    def _rows(self, indices) -> torch.Tensor:
-        """The states of tokens `indices` (committed ones, then this step's window after them); zeros for -1."""
-        committed = len(self.states)
-        rows = []
-        for i in indices:
-            if i < 0:
-                rows.append(torch.zeros(self.states.width or self.window_states.shape[1]))
-            elif i < committed:
-                rows.append(self.states.row(i))
-            else:
-                rows.append(self.window_states[i - committed])
-        return torch.stack(rows) if rows else torch.zeros(0, self.states.width or 0)
+    # --- what the fed nodes read (module docstring) ----------------------------------------------------------
+    def _append_states(self, states, rows: int, what: str) -> None:
+        for slot in self.target_slots:
+            self.states[slot].append(_tensor((states or {}).get(slot), rows, what))
 
-    def _paired(self, first: int, n: int) -> torch.Tensor | None:
-        """What tokens first..first+n-1 read: the states of the tokens before them (None: a token-only draft)."""
+    def _committed(self, first: int, n: int) -> dict[str, torch.Tensor] | None:
+        """What committed tokens first..first+n-1 read: the target's states of the tokens before them."""
         if not self.conditioned:
             return None
-        return self._rows(range(first - 1, first + n - 1))
+        out = {}
+        for slot in self.target_slots:
+            table = self.states[slot]
+            rows = [table.row(i) if i >= 0 else torch.zeros(self.widths[slot]) for i in range(first - 1, first + n - 1)]
+            out[slot] = torch.stack(rows) if rows else torch.zeros(0, self.widths[slot])
+        return out
+
+    def _drafted(self, n: int, pairs: torch.Tensor | None, exit_rows: torch.Tensor | None = None) -> dict:
+        """What n drafted tokens read: own = the states that predicted them (`pairs`), exit = `exit_rows`."""
+        block = {}
+        if self.own:
+            block["own"] = pairs[:n] if pairs is not None else torch.zeros(n, self.widths["own"])
+        if exit_rows is not None and "exit" in self.widths:
+            block["exit"] = exit_rows[:n]
+        return _complete(block, n, self.widths)
+
+    def _window_nodes(self, exit_known: bool) -> dict:
+        """The window's tokens d_1..d_γ: own pairs, and d_{i-1}'s ℓe state once the target has run its prefix."""
+        exit_rows = self.window_states[: len(self.window)] if exit_known and self.window_states is not None else None
+        return self._drafted(len(self.window), self.window_pairs, exit_rows)
+
+    def _ahead_nodes(self) -> dict:
+        """The look-ahead's tokens: the first reads d_γ's ℓe state (it follows the window) and its own pair; the rest
+        their own pairs."""
+        exit_rows = None
+        if self.window_states is not None:
+            exit_rows = torch.zeros(len(self.ahead.tokens), self.window_states.shape[1])
+            exit_rows[0] = self.window_states[len(self.window)]
+        return self._drafted(len(self.ahead.tokens), self.ahead.pairs, exit_rows)
+
+    def _root(self, r: int) -> dict:
+        """A branch root at window position r: the ℓe state of the token it follows, and the state that predicted
+        d_{r+1} (the root stands where d_{r+1} stood; for r = γ, the look-ahead's first token's, if any)."""
+        pair = None
+        if self.own:
+            source = self.window_pairs if r < len(self.window) else (self.ahead.pairs if self.ahead else None)
+            offset = r if r < len(self.window) else 0
+            if source is not None and offset < len(source):
+                pair = source[offset : offset + 1]
+        exit_rows = self.window_states[r : r + 1] if self.window_states is not None else None
+        return self._drafted(1, pair, exit_rows)
+
+
+def _complete(block: dict, n: int, widths: dict[str, int]) -> dict:
+    """`block` with every slot of the draft present: zeros (n, width) for the slots it lacks."""
+    return {slot: block[slot] if slot in block else torch.zeros(n, width) for slot, width in widths.items()}
+
+
+def _join(blocks: list) -> dict | None:
+    """Row blocks of features (slot → (n_i, w)) concatenated slot by slot; None where no block has any slot."""
+    blocks = [b for b in blocks if b]
+    if not blocks:
+        return None
+    return {slot: torch.cat([b[slot].float() for b in blocks]) for slot in blocks[0]}
+
+
+def _joined(first: Rollout, skip: int, rest: Rollout | None, n: int) -> Rollout:
+    """first's tokens from `skip` on, then rest's, n at most: a window assembled from two rollouts (a look-ahead and
+    its completion, a short branch and its extension), with their log-probs and pairs."""
+    parts = [(first, skip)] + ([(rest, 0)] if rest is not None else [])
+    tokens = [t for r, k in parts for t in r.tokens[k:]][:n]
+    logprobs = [lp for r, k in parts for lp in r.logprobs[k:]][:n]
+    pairs = [r.pairs[k:] for r, k in parts if r.pairs is not None and len(r.pairs) > k]
+    return Rollout(tokens, logprobs, rest.num_forwards if rest else 0, [], torch.cat(pairs)[:n] if pairs else None)
 
 
 class _States:
@@ -283,10 +407,6 @@ class _States:
     def __init__(self):
         self.data: torch.Tensor | None = None
         self.n = 0
-
-    @property
-    def width(self) -> int | None:
-        return None if self.data is None else self.data.shape[1]
 
     def __len__(self) -> int:
         return self.n

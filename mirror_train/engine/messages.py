@@ -1,0 +1,91 @@
+"""What crosses the token channel between the engine (the target's side) and the draft server, one dataclass each.
+
+Only token ids, log-probs, a few numbers and, for drafts that read the target's states, those states cross
+(float32 numpy: (γ+1)·H floats a step, 11.5 KB at γ = 4 on the testbed; the prompt's once). `states` maps a slot
+name ("exit": the target's layer-ℓe states, "final": its final states) to rows, one per position, in order.
+
+    Start       → Window      a new sequence: prefill, then roll out the first window
+    Branches    (no reply)   Mirror-SD, after the target's prefix over the window: rank and roll out branches while
+                             the target finishes (the proxy head's candidates, or the ℓe states for a head here)
+    Verdict     → Window     the target's verdict: commit; the next window (a rolled-out branch or a fallback)
+    Ping        → Pong       the channel's round trip
+    Stop                     end the worker
+The worker itself answers Ready once it has built its server, and Failed (with the traceback) if anything raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+States = dict[str, np.ndarray]
+
+
+@dataclass
+class Candidates:
+    """The proxy head's view of a window of γ drafted tokens: at each position r = 0..γ its top-κ ids and their
+    log-probs, and its log-prob of each drafted token."""
+
+    ids: list[list[int]]  # (γ+1) × κ
+    logp: list[list[float]]  # (γ+1) × κ
+    window_logp: list[float]  # γ
+
+
+@dataclass
+class Start:
+    prompt: list[int]
+    gamma: int
+    reference: list[int] | None = None  # the target's own continuation: a synthetic draft's script
+    states: States | None = None  # the prompt's tokens but the last (the target has not finished the last)
+    look_ahead: bool = False  # Mirror-SD: draft on past each window while the target runs its prefix
+    costs: list[float] | None = None  # the target's verification cost by window length, relative (window.py)
+
+
+@dataclass
+class Branches:
+    deadline_ms: float | None  # the target's measured suffix time: what the rollout must fit
+    candidates: Candidates | None = None  # None: the proxy head runs on the draft's side, on states["exit"]
+    states: States | None = None  # exit: the window's ℓe states, [the newest committed token, d_1..d_γ]
+
+
+@dataclass
+class Verdict:
+    accepted: int  # A: drafted tokens the target kept
+    correction: int  # c*: the target's own token after them
+    # the states of the newest committed token and d_1..d_A (A + 1 rows): exit when no Branches brought them this
+    # step, final for drafts that read the target's final states (known only now)
+    states: States | None = None
+    prefix_ms: float | None = None  # the target's prefix time: what the draft's look-ahead must fit
+    costs: list[float] | None = None  # the target's verification cost by window length, as measured so far
+
+
+@dataclass
+class Window:
+    tokens: list[int]
+    info: dict = field(default_factory=dict)  # how it was made: reused, branches, times, forwards, candidates
+
+
+@dataclass
+class Ping:
+    pass
+
+
+@dataclass
+class Pong:
+    pass
+
+
+@dataclass
+class Stop:
+    pass
+
+
+@dataclass
+class Ready:
+    pid: int
+
+
+@dataclass
+class Failed:
+    error: str

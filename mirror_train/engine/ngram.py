@@ -1,0 +1,45 @@
+"""Prompt lookup: windows copied from the prompt and the committed text, at no cost to either device.
+
+An n-gram index over the committed tokens (prompt included) maps every n-gram (n = 1..max_n) to the end of its most
+recent occurrence that has a successor. The proposal for a context is the longest suffix of the context (n from
+max_n down to 1) seen before, and the tokens that followed it there (Saxena's prompt lookup decoding; transformers'
+`prompt_lookup_num_tokens`). Decisions: the most recent occurrence (answers copy what they just quoted more often
+than what the prompt said first); the match size n is reported, because a longer match is a surer copy and the
+engine learns how sure (window.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class NgramIndex:
+    def __init__(self, max_n: int = 4):
+        if max_n < 1:
+            raise ValueError(f"max_n must be ≥ 1, got {max_n}")
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self.last: dict[tuple[int, ...], int] = {}  # n-gram → index of its last token, at its latest occurrence
+        self.indexed = 0  # n-grams ending before this index are registered (the last token has no successor yet)
+
+    def reset(self, tokens: Sequence[int]) -> None:
+        self.tokens, self.last, self.indexed = [], {}, 0
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens += [int(t) for t in tokens]
+        for end in range(self.indexed, len(self.tokens) - 1):  # every n-gram ending at `end` now has a successor
+            for n in range(1, min(self.max_n, end + 1) + 1):
+                self.last[tuple(self.tokens[end - n + 1 : end + 1])] = end
+        self.indexed = max(self.indexed, len(self.tokens) - 1)
+
+    def propose(self, k: int, after: Sequence[int] = ()) -> tuple[list[int], int]:
+        """Up to k tokens that followed the longest earlier occurrence of the context's suffix, and the match size n
+        (0 and [] when nothing matches). The context is the committed tokens followed by `after` (e.g. the window
+        tokens a branch keeps and its root); the copy comes from the committed tokens."""
+        context = self.tokens[-self.max_n :] + [int(t) for t in after]
+        for n in range(min(self.max_n, len(context)), 0, -1):
+            end = self.last.get(tuple(context[-n:]))
+            if end is not None:
+                return self.tokens[end + 1 : end + 1 + k], n
+        return [], 0

@@ -1,0 +1,93 @@
+"""How long a window to verify, and from which source: expected tokens per unit of the target's time (pure).
+
+Verifying w drafted tokens costs the target c(w) (its step time with w + 1 rows, relative to a one-token step):
+nearly flat where wide matmuls are cheap (GPUs, AMX in bf16), ~1.7× for w = 4 in float32 on a CPU. If drafted token
+i is kept with probability a_i given the tokens before it were, the step commits in expectation
+
+    E(w) = 1 + Σ_{i ≤ w} Π_{j ≤ i} a_j          (the correction or bonus token always)
+
+tokens, so the window worth verifying is the prefix w maximising E(w) / c(w) (w = 0: a plain target step). The
+a_i come from calibrations learnt online from every verdict (`Calibration`): a model-drafted token's by the draft's
+own probability of it, a copied token's (ngram.py) by its match size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def expected_committed(accept: Sequence[float]) -> list[float]:
+    """E(w) for w = 0..len(accept) (module docstring)."""
+    out, reach = [1.0], 1.0
+    for a in accept:
+        reach *= a
+        out.append(out[-1] + reach)
+    return out
+
+
+def best_length(accept: Sequence[float], cost: Sequence[float]) -> tuple[int, float]:
+    """(w, E(w)/c(w)) maximising expected committed tokens per unit of verification time over w = 0..len(accept).
+
+    cost[w]: the relative cost of verifying w drafted tokens (cost[0] = 1); widths past its end extrapolate its last
+    step. Ties go to the shorter window."""
+    expected = expected_committed(accept)
+    best = (0, expected[0] / _cost(cost, 0))
+    for w in range(1, len(expected)):
+        rate = expected[w] / _cost(cost, w)
+        if rate > best[1] + 1e-9:
+            best = (w, rate)
+    return best
+
+
+def _cost(cost: Sequence[float], w: int) -> float:
+    if not cost:
+        return 1.0
+    if w < len(cost):
+        return cost[w]
+    step = cost[-1] - cost[-2] if len(cost) > 1 else 0.0
+    return cost[-1] + step * (w - len(cost) + 1)
+
+
+class Calibration:
+    """P(the target keeps a drafted token | a key), learnt from outcomes, shrunk to the overall rate.
+
+    Keys are whatever predicts acceptance: a probability bin for a model's token (`prob_key`), the match size for a
+    copied one. Starts at `initial` with no data; `prior` pseudo-counts pull a sparse key towards the overall rate."""
+
+    def __init__(self, prior: float = 4.0, initial: float = 0.5):
+        self.prior, self.initial = prior, initial
+        self.kept: dict = {}
+        self.seen: dict = {}
+
+    def overall(self) -> float:
+        total = sum(self.seen.values())
+        return (sum(self.kept.values()) + self.prior * self.initial) / (total + self.prior)
+
+    def predict(self, keys: Sequence) -> list[float]:
+        overall = self.overall()
+        return [(self.kept.get(k, 0) + self.prior * overall) / (self.seen.get(k, 0) + self.prior) for k in keys]
+
+    def update(self, keys: Sequence, accepted: int) -> None:
+        """keys of a verified window's tokens; accepted: A (the tokens after A are unobserved)."""
+        for i, k in enumerate(keys[: accepted + 1]):
+            self.seen[k] = self.seen.get(k, 0) + 1
+            self.kept[k] = self.kept.get(k, 0) + (i < accepted)
+
+
+def prob_key(p: float, bins: int = 10) -> int:
+    """The bin of a probability: a model token's calibration key."""
+    return min(int(p * bins), bins - 1)
+
+
+def fit_costs(samples: Sequence[tuple[int, float]], widths: int) -> list[float] | None:
+    """Relative verification costs c(0..widths) from (w, ms) measurements: a least-squares line ms = a + b·w,
+    divided by its value at w = 0 (None with fewer than two distinct widths measured)."""
+    if len({w for w, _ in samples}) < 2:
+        return None
+    n = len(samples)
+    w_mean = sum(w for w, _ in samples) / n
+    t_mean = sum(t for _, t in samples) / n
+    var = sum((w - w_mean) ** 2 for w, _ in samples)
+    slope = max(sum((w - w_mean) * (t - t_mean) for w, t in samples) / var, 0.0)
+    base = max(t_mean - slope * w_mean, 1e-6)
+    return [1.0 + slope * w / base for w in range(widths + 1)]
