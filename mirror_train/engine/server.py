@@ -221,7 +221,8 @@ class DraftServer:
 
     # --- helpers ---------------------------------------------------------------------------------------------
     def _keep(self, n: int) -> None:
-        self.backend.keep(n)
+        if self.backend is not None:
+            self.backend.keep(n)
         self.cached += n
 
     def _fallback(self, info: dict):

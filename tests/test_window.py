@@ -1,0 +1,54 @@
+"""Prompt lookup and the window-length rule: pure functions, checked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from mirror_train.engine.ngram import NgramIndex
+from mirror_train.engine.window import Calibration, best_length, expected_committed, fit_costs, prob_key
+
+
+def test_ngram_proposes_what_followed_the_longest_latest_match():
+    index = NgramIndex(max_n=3)
+    index.reset([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
+    # suffix (6, 7): seen ending at 2 and at 6; the latest (6) was followed by 9, 2, 6, 7
+    assert index.propose(3) == ([9, 2, 6], 2)
+    index.extend([8])  # suffix (6, 7, 8): only at 1..3, followed by 1, 6, 7
+    assert index.propose(2) == ([1, 6], 3)
+    assert index.propose(4, after=[42]) == ([], 0)  # 42 never occurred
+    assert index.propose(2, after=[5]) == ([6, 7], 1)  # the context (…, 8, 5): only 5 matches
+
+
+def test_ngram_never_matches_the_suffix_with_itself():
+    index = NgramIndex()
+    index.reset([1, 2, 3])
+    assert index.propose(4) == ([], 0)
+    index.extend([1, 2])  # (1, 2) now also earlier, followed by 3, 1, 2
+    assert index.propose(4) == ([3, 1, 2], 2)
+
+
+def test_expected_committed_and_the_best_length_by_hand():
+    assert expected_committed([0.5, 0.5]) == pytest.approx([1.0, 1.5, 1.75])
+    # flat cost: the longest window; costly rows: none; in between: the knee
+    assert best_length([0.9, 0.9, 0.9], [1.0, 1.0, 1.0, 1.0])[0] == 3
+    assert best_length([0.2, 0.2], [1.0, 1.5, 2.0])[0] == 0
+    w, rate = best_length([0.9, 0.3, 0.3], [1.0, 1.2, 1.4, 1.6])  # E = 1, 1.9, 2.17, 2.251
+    assert w == 1 and rate == pytest.approx(1.9 / 1.2)
+    assert best_length([0.99] * 6, [1.0, 1.1])[0] == 6  # past the table the cost grows by its last step
+
+
+def test_calibration_learns_rates_by_key_and_shrinks_sparse_keys():
+    cal = Calibration(prior=2.0, initial=0.5)
+    assert cal.predict(["a"]) == [0.5]
+    for _ in range(20):
+        cal.update(["a", "a", "b"], accepted=2)  # a kept twice, b rejected
+    a, b, c = cal.predict(["a", "b", "c"])
+    assert a > 0.9 and b < 0.2 and c == pytest.approx(cal.overall())
+    assert prob_key(0.0) == 0 and prob_key(0.55) == 5 and prob_key(1.0) == 9
+
+
+def test_fit_costs_is_relative_to_a_one_token_step():
+    samples = [(0, 60.0), (4, 100.0), (0, 62.0), (4, 98.0)]
+    costs = fit_costs(samples, 4)
+    assert costs[0] == 1.0 and costs[4] == pytest.approx(99 / 61) and len(costs) == 5
+    assert fit_costs([(0, 60.0), (0, 61.0)], 4) is None
