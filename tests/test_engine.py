@@ -671,6 +671,6 @@ def test_prompt_lookup_copies_a_repeating_answer_and_stays_lossless(target, prom
         g = engine.generate(prompts[1], MAX_NEW, method="pld", stop=[])
         assert g.tokens == references[1]
         assert g.mean_accepted > 1.5  # 1.82 measured: 20 tokens in 11 target forwards
-        assert {s.source for s in g.steps[1:-1]} == {"ngram"}
+        assert {s.source for s in g.steps[1:-1]} <= {"ngram", None}  # None: nothing to copy, a plain step
     with pytest.raises(MirrorTrainError, match="ngram_tokens"):
         MirrorEngine(target, None, None, EngineConfig(placement="local", ngram_tokens=0)).generate([1], 2, method="pld")

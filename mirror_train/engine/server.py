@@ -262,7 +262,7 @@ class DraftServer:
             if best is None or rate > best[0]:
                 best = (rate, tokens[:length], None if pairs is None else pairs[:length], keys[:length], source)
         _, self.window, self.window_pairs, self.window_keys, source = best
-        return Window(list(self.window), info | {"source": source})
+        return Window(list(self.window), info | {"source": source if self.window else None})
 
     def _serial(self, tail: Rollout, n: int) -> Rollout:
         """Draft `n` tokens one branch deep after the committed tokens the cache lacks and the drafted `tail` (which
