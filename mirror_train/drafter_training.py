@@ -41,7 +41,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from mirror_train.data.features import FeatureCache, pack_rows
 from mirror_train.data.pipeline import DataConfig, cached_layers, feature_dirs
 from mirror_train.errors import MirrorTrainError
-from mirror_train.losses import IGNORE_INDEX, lookahead_ce_loss, topk_kl_loss
+from mirror_train.losses import lookahead_ce_loss, topk_kl_loss
 from mirror_train.models.drafter import (
     FEATURE_SLOTS,
     TARGET_SLOTS,
@@ -237,14 +237,32 @@ def target_states(draft, batch: dict[str, torch.Tensor], withheld: torch.Tensor 
     }
 
 
+def ttt_rows(batch: dict[str, torch.Tensor], steps: int) -> list[torch.Tensor]:
+    """The packed positions each step runs at: step 0 at all; step k ≥ 1 at the p whose chain starts inside its
+    sequence (position_ids[p] ≥ k) and, where the batch says which positions are the target's answers, at an
+    answer (the engine rolls out only after committed answer tokens, so the prompt's positions would be wasted)."""
+    positions = batch["position_ids"][0]
+    answer = batch.get("is_answer")
+    rows = [torch.arange(len(positions), device=positions.device)]
+    for k in range(1, steps + 1):
+        ok = positions >= k
+        if answer is not None:
+            first = torch.arange(len(positions), device=positions.device) - k + 1  # the chain's first token
+            ok &= answer[0].bool()[first.clamp(min=0)]
+        rows.append(torch.nonzero(ok).flatten())
+    return rows
+
+
 def unrolled_forward(model, draft, batch: dict[str, torch.Tensor], states, steps: int, window_steps: int = 0):
     """Step 0 over the true context, then `steps` training-time-test steps (module docstring) over a packed row.
 
-    batch: packed (`pack_rows`), (1, N) token_ids, position_ids, segments; states: step 0's target states (slot →
-    (1, N, w)) or None. Steps 1..window_steps also read the ℓe state (a Mirror-SD window). Returns the outputs of
-    steps 0..steps; step k's row p is valid where position_ids[p] ≥ k (its chain starts inside its sequence).
+    batch: packed (`pack_rows`), (1, N) token_ids, position_ids, segments (and is_answer: the steps ≥ 1 run at
+    answer positions only, `ttt_rows`); states: step 0's target states (slot → (1, N, w)) or None. Steps
+    1..window_steps also read the ℓe state (a Mirror-SD window). Returns the outputs of steps 0..steps and the
+    packed positions each ran at.
     """
     segments, positions, tokens = batch["segments"], batch["position_ids"], batch["token_ids"]
+    rows = ttt_rows(batch, steps)
     cache = draft.new_cache() if steps else None
     out = model(
         tokens,
@@ -256,21 +274,24 @@ def unrolled_forward(model, draft, batch: dict[str, torch.Tensor], states, steps
     outs = [out]
     slots = draft.config.slots
     for k in range(1, steps + 1):
+        q = rows[k]
+        where = torch.full_like(positions[0], -1)
+        where[rows[k - 1]] = torch.arange(len(rows[k - 1]), device=q.device)
         features = {}
         if "own" in slots:
-            features["own"] = paired_features(out.hidden, segments=segments)  # the state that predicted x_p
+            features["own"] = out.hidden[:, where[q - 1]]  # the state that predicted x_p, one step earlier
         if k <= window_steps and "exit" in slots:
-            features["exit"] = states["exit"]
+            features["exit"] = states["exit"][:, q]
         out = model(
-            tokens,
-            position_ids=positions,
-            attention_mask_4d=ttt_mask(segments, k, torch.float32),
+            tokens[:, q],
+            position_ids=positions[:, q],
+            attention_mask_4d=ttt_mask(segments, rows, k, torch.float32),
             features=features or None,
             cache=cache,
             num_streams=0,
         )
         outs.append(out)
-    return outs
+    return outs, rows
 
 
 def drafter_loss(model, batch: dict[str, torch.Tensor], cfg: DrafterTrainConfig) -> tuple[torch.Tensor, dict]:
@@ -295,7 +316,7 @@ def drafter_loss(model, batch: dict[str, torch.Tensor], cfg: DrafterTrainConfig)
     states = target_states(draft, batch, withheld)
     steps = cfg.ttt_steps if draft.fusion is not None else 0  # a token-only draft reads nothing to roll forward
     window = int(torch.randint(0, steps + 1, ())) if steps and cfg.ttt_window_states else 0
-    outs = unrolled_forward(model, draft, batch, states, steps, window)
+    outs, rows = unrolled_forward(model, draft, batch, states, steps, window)
     ids = draft.target_to_draft(batch["topk_ids"])  # (1, N, k) draft ids, -100 outside the draft vocabulary
     real = batch["mask"].bool()  # (1, N), all true
     argmax = ids[..., 0]  # (1, N): the target's choice of the token after each position
@@ -309,10 +330,13 @@ def drafter_loss(model, batch: dict[str, torch.Tensor], cfg: DrafterTrainConfig)
     if steps:
         ttt = loss.new_zeros(())
         for k, out in enumerate(outs[1:], start=1):
-            valid = real & (batch["position_ids"] >= k)
-            step = lookahead_ce_loss(out.logits, None, argmax.masked_fill(~valid, IGNORE_INDEX), cfg.ce_weight, 0.0)
+            q = rows[k]
+            if not len(q):
+                continue
+            step = lookahead_ce_loss(out.logits, None, argmax[:, q], cfg.ce_weight, 0.0)
             if cfg.kl_weight:
-                step = step + cfg.kl_weight * _draft_vocab_kl(out.logits, ids, batch["topk_logp"], valid)
+                kl = _draft_vocab_kl(out.logits, ids[:, q], batch["topk_logp"][:, q], real[:, q])
+                step = step + cfg.kl_weight * kl
             ttt = ttt + cfg.ttt_decay**k * step
         loss = loss + ttt
         parts["ttt"] = ttt.item()
@@ -371,7 +395,7 @@ def _agreement(model, draft, cache: FeatureCache, with_states: bool, steps: int,
             continue
         batch = pack_rows({k: v.to(draft.device) for k, v in cache.windows([(lo, hi)]).items()})
         states = target_states(draft, batch) if with_states else None
-        outs = unrolled_forward(model, draft, batch, states, steps)
+        outs, rows = unrolled_forward(model, draft, batch, states, steps)
         out = outs[0]
         guesses = [out.logits[0]] + [out.stream_logits[0, :, j] for j in range(num - 1)]  # each (T, V_draft)
         target_argmax = batch["topk_ids"][0, :, 0].cpu()  # (T,)
@@ -387,8 +411,9 @@ def _agreement(model, draft, cache: FeatureCache, with_states: bool, steps: int,
         T = hi - lo
         correct = []
         for k in range(depth + 1):
-            step_out = outs[min(k, len(outs) - 1)]  # a draft that reads nothing rolls forward as step 0
-            guess = draft.draft_to_target(step_out.logits[0].argmax(-1)).cpu()
+            step = min(k, len(outs) - 1)  # a draft that reads nothing rolls forward as step 0
+            guess = torch.full((T,), -1, dtype=torch.long)
+            guess[rows[step].cpu()] = draft.draft_to_target(outs[step].logits[0].argmax(-1)).cpu()
             correct.append(guess[k:] == target_argmax[k:])  # (T − k,), indexed by the anchor
         anchors = answers[: T - depth]  # answer positions with a whole window inside the sequence
         run = torch.ones(T - depth, dtype=torch.bool)

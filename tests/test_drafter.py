@@ -485,8 +485,9 @@ def test_bad_rollout_arguments_are_refused(llama):
 
 
 # --- training-time test: what training shows a rolled-out token is what serving gives it -------------------------
+@pytest.mark.parametrize("answers_from", [None, 5])
 @pytest.mark.parametrize("slots", [["exit", "own"], ["exit", "final", "own"], ["exit"]])
-def test_a_training_time_test_step_equals_the_served_rollout(llama, slots):
+def test_a_training_time_test_step_equals_the_served_rollout(llama, slots, answers_from):
     """Step k at position p (unrolled_forward over a packed row) = the draft served: the context up to p−k fed with
     its target states, then the chain p−k+1..p fed one token at a time, each reading the state that predicted it
     (and, for the first `window` steps, the ℓe state, as a Mirror-SD window's tokens do)."""
@@ -504,12 +505,16 @@ def test_a_training_time_test_step_equals_the_served_rollout(llama, slots):
         "position_ids": torch.arange(T)[None],
         "segments": torch.zeros(1, T, dtype=torch.long),
     }
+    if answers_from is not None:
+        batch["is_answer"] = (torch.arange(T) >= answers_from)[None]
     states = {"exit": paired_features(exit_states), "final": paired_features(final_states)}
     states = {slot: states[slot] for slot in slots if slot in states}
     with torch.no_grad():
-        outs = unrolled_forward(draft, draft, batch, states, steps, window)
+        outs, rows = unrolled_forward(draft, draft, batch, states, steps, window)
     for k in range(1, steps + 1):
-        for p in range(k, T):
+        first = k if answers_from is None else answers_from + k - 1  # where the chain's first token may be
+        assert rows[k].tolist() == list(range(first, T))
+        for i, p in enumerate(range(first, T)):
             anchor = p - k
             cache = draft.new_cache()
             with torch.no_grad():
@@ -526,4 +531,18 @@ def test_a_training_time_test_step_equals_the_served_rollout(llama, slots):
                         features["exit"] = states["exit"][:, q : q + 1]
                     out = draft(x[:, q : q + 1], cache=cache, num_streams=0, features=features or None)
                     own = out.hidden
-            torch.testing.assert_close(outs[k].logits[0, p], out.logits[0, 0], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(outs[k].logits[0, i], out.logits[0, 0], atol=1e-5, rtol=1e-4)
+
+
+def test_training_time_test_steps_run_only_where_a_served_rollout_would():
+    """With the answers marked, the steps ≥ 1 run at the positions whose chain starts at an answer token, in its
+    own sequence: the prompt's positions are never rolled out from when served."""
+    from mirror_train.drafter_training import ttt_rows
+
+    batch = {
+        "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]]),
+        "is_answer": torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1]]),
+    }
+    rows = ttt_rows(batch, 2)
+    assert rows[1].tolist() == [2, 3, 4, 6, 7]
+    assert rows[2].tolist() == [3, 4, 7]  # chains (2, 3), (3, 4), (6, 7)

@@ -208,7 +208,8 @@ class FeatureCache:
         return np.flatnonzero(self.is_answer) if answers_only else np.arange(len(self))
 
     def windows(self, spans: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
-        """Contiguous row ranges as a right-padded batch: hidden (B, T, H), topk_* (B, T, k), mask (B, T),
+        """Contiguous row ranges as a right-padded batch: hidden (B, T, H), topk_* (B, T, k), mask (B, T), is_answer
+        (B, T) (the position predicts a token of the target's own answer),
         token_ids (B, T) when the cache has them (the draft's inputs; padding 0), and each extra layer's states
         (B, T, H) under its name."""
         width = max(hi - lo for lo, hi in spans)
@@ -217,6 +218,7 @@ class FeatureCache:
         ids = np.zeros((len(spans), width, k), dtype=np.int64)
         logp = np.zeros((len(spans), width, k), dtype=np.float32)
         mask = np.zeros((len(spans), width), dtype=np.int64)
+        answer = np.zeros((len(spans), width), dtype=np.bool_)
         tokens = np.zeros((len(spans), width), dtype=np.int64)
         for row, (lo, hi) in enumerate(spans):
             n = hi - lo
@@ -226,9 +228,10 @@ class FeatureCache:
                 self.topk_logp[lo:hi],
             )
             mask[row, :n] = 1
+            answer[row, :n] = self.is_answer[lo:hi]
             if self.token_ids is not None:
                 tokens[row, :n] = self.token_ids[lo:hi]
-        tensors = {"hidden": hidden, "topk_ids": ids, "topk_logp": logp, "mask": mask}
+        tensors = {"hidden": hidden, "topk_ids": ids, "topk_logp": logp, "mask": mask, "is_answer": answer}
         for name, states in self.extra.items():
             extra = np.zeros_like(hidden)
             for row, (lo, hi) in enumerate(spans):

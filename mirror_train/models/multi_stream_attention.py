@@ -63,22 +63,22 @@ def packed_causal_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return _additive(allowed[:, None], dtype)
 
 
-def ttt_mask(segments: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
-    """The mask of training-time-test step k ≥ 1 over the keys of steps 0..k (each N positions, step-major).
+def ttt_mask(segments: torch.Tensor, rows: Sequence[torch.Tensor], step: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mask of training-time-test step k ≥ 1 over the keys of steps 0..k (step-major).
 
-    segments (1, N): the sequence of each packed position (non-decreasing). The query at p in step k is a token
-    the draft rolled out k−1 tokens after the committed position p−k: it sees step 0's positions ≤ p−k of its own
-    sequence (the committed context) and its chain, position p−k+j in step j for j = 1..k (itself last). A chain
-    that would start before its sequence sees only itself (a harmless row whose loss is not counted).
-    Returns (1, 1, N, N·(k+1)).
+    segments (1, N): the sequence of each packed position (non-decreasing); rows[j] (M_j,): the packed positions
+    step j runs at (step 0 at all N). The query at p in step k is a token the draft rolled out k−1 tokens after the
+    committed position p−k: it sees step 0's positions ≤ p−k of its own sequence (the committed context) and its
+    chain, position p−k+j in step j for j = 1..k (itself last); every row needs its chain's positions among
+    rows[1..k]. Returns (1, 1, M_k, N + M_1 + … + M_k).
     """
-    N = segments.shape[1]
     seg = segments[0]
-    p = torch.arange(N, device=seg.device)
-    same = seg[:, None] == seg[None, :]  # (N, N)
-    blocks = [same & (p[None, :] <= p[:, None] - step)]  # step 0: the committed context
+    q = rows[step]
+    same = seg[q][:, None]  # (M_k, 1)
+    blocks = [(seg[None, :] == same) & (torch.arange(len(seg), device=seg.device)[None, :] <= q[:, None] - step)]
     for j in range(1, step + 1):
-        blocks.append(same & (p[None, :] == p[:, None] - step + j))  # step j: the chain's j-th token
+        keys = rows[j]
+        blocks.append((seg[keys][None, :] == same) & (keys[None, :] == q[:, None] - step + j))
     return _additive(torch.cat(blocks, dim=1), dtype)[None, None]
 
 
