@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import logging
+import re
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -17,21 +19,67 @@ from mirror_train.errors import MirrorTrainError
 
 
 def add_dataclass_options(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One `--field-name` option per dataclass field, typed and defaulted from the field itself."""
+    """One `--field-name` option per dataclass field (nested dataclasses' fields flattened in), typed and
+    defaulted from the field itself, its help from the comment beside it in the source: one place for each."""
     hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            add_dataclass_options(parser, kind)
+            continue
         args = [a for a in typing.get_args(kind) if a is not type(None)]
         base = args[0] if args else kind
+        if typing.get_origin(kind) is typing.Literal:
+            base = type(args[0])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         flag = "--" + f.name.replace("_", "-")
+        text = f"{docs.get(f.name, '')} (default: {default})".strip().replace("%", "%%")  # argparse formats help
         if base is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
         else:
-            parser.add_argument(flag, type=base, default=f.default, metavar=f.name.upper())
+            choices = list(typing.get_args(kind)) if typing.get_origin(kind) is typing.Literal else None
+            parser.add_argument(flag, type=base, default=default, metavar=f.name.upper(), help=text, choices=choices)
 
 
 def options_to_dataclass(cls: type, ns: argparse.Namespace):
-    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        values[f.name] = options_to_dataclass(kind, ns) if dataclasses.is_dataclass(kind) else getattr(ns, f.name)
+    return cls(**values)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's comment in the class source, through the class's bases: what `--help` says of each option.
+
+    A field's comment is the one beside it; comment lines between two fields continue the first one's, unless the
+    second has none beside it, which they then describe (both styles occur)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):
+            continue
+        previous, pending = None, []
+        for line in lines:
+            field = re.match(r"\s+(\w+)\s*:[^#]*?(?:#\s*(.*))?$", line)
+            comment = re.match(r"\s+#\s*(.*)$", line)
+            if comment:
+                pending.append(comment.group(1).strip())
+            elif field and not line.strip().startswith(("def ", "@", "return", '"')):
+                name, beside = field.group(1), (field.group(2) or "").strip()
+                if pending and not beside:
+                    beside = " ".join(pending)
+                elif pending and previous:
+                    docs[previous] = " ".join([docs[previous], *pending])
+                docs[name], previous, pending = beside, name, []
+            else:
+                previous, pending = None, []
+    return docs
 
 
 def _fetch_testbed(ns: argparse.Namespace) -> None:

@@ -82,6 +82,7 @@ def untrained_draft_dir(testbed_target, tmp_path_factory):
 def test_a_run_answers_every_method_identically_resumes_and_refuses_other_settings(
     testbed_target, testbed_path, untrained_draft_dir, tmp_path, shared_dir
 ):
+    from mirror_train.engine import EngineConfig
     from mirror_train.eval.specbench import SpecBenchConfig, run_specbench
 
     cfg = SpecBenchConfig(
@@ -92,7 +93,7 @@ def test_a_run_answers_every_method_identically_resumes_and_refuses_other_settin
         limit_per_category=1,
         max_new_tokens=8,
         warmups=1,
-        placement="local",
+        engine=EngineConfig(placement="local"),
     )
     out = run_specbench(cfg)
     lines = {m: (out / "answers" / f"{m}.jsonl").read_text().splitlines() for m in cfg.method_list}
@@ -104,7 +105,7 @@ def test_a_run_answers_every_method_identically_resumes_and_refuses_other_settin
     assert sum(choice["accept_lengths"]) == sum(choice["new_tokens"])
     result = score(out)
     assert all(r["overall"]["lossless"] == 1.0 for r in result["methods"].values())
-    for m in ("assisted", "pld"):
+    for m in ("assisted", "hf_pld"):
         peer = [json.loads(line)["choices"][0] for line in lines[m]]
         assert all(sum(c["accept_lengths"]) == sum(c["new_tokens"]) for c in peer)
 
@@ -133,5 +134,5 @@ def test_assisted_generation_is_skipped_for_a_draft_that_reads_the_targets_state
         path.mkdir()
         (path / "config.json").write_text(json.dumps({"feature_conditioning": kind}))
     with pytest.warns(UserWarning, match="skipping assisted"):
-        assert _servable(SpecBenchConfig(draft=str(conditioned))) == ["ar", "sd", "mirror", "pld"]
-    assert _servable(SpecBenchConfig(draft=str(plain))) == ["ar", "sd", "mirror", "assisted", "pld"]
+        assert _servable(SpecBenchConfig(draft=str(conditioned))) == ["ar", "sd", "mirror", "pld", "hf_pld"]
+    assert _servable(SpecBenchConfig(draft=str(plain))) == ["ar", "sd", "mirror", "pld", "assisted", "hf_pld"]

@@ -17,12 +17,23 @@ from collections.abc import Sequence
 import torch
 
 
-def target_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> list[int]:
-    """The target's token at each of the window's positions: (T, V) logits → T ids (argmax, or samples at T > 0)."""
+def target_tokens(logits: torch.Tensor, temperature: float, seed: int = 0, first: int = 0) -> list[int]:
+    """The target's token at each of the window's positions: (T, V) logits → T ids (argmax, or samples at T > 0).
+
+    A sample's randomness is a function of (seed, its position in the output) alone (`first`: the position of the
+    window's first row): the same seed gives the same output whatever windows the drafts proposed, and positions
+    draw independently, so each committed token is still a sample of the target's distribution there."""
     if temperature == 0:
         return logits.argmax(-1).tolist()
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).tolist()
+    out = []
+    for i in range(probs.shape[0]):
+        generator = torch.Generator(device=probs.device).manual_seed(_POSITION_SEED * seed + first + i)
+        out.append(int(torch.multinomial(probs[i], 1, generator=generator)))
+    return out
+
+
+_POSITION_SEED = 1_000_003  # seeds of one sequence's positions never meet another seed's
 
 
 def accept(window: Sequence[int], tokens: Sequence[int]) -> tuple[int, int]:

@@ -46,7 +46,7 @@ class ForwardCounter:
 
 
 def hf_generate(target, ids: list[int], max_new_tokens: int, stops: list[int], method: str, assistant=None):
-    """One greedy generation with transformers: method "assisted" (assistant model) or "pld" (prompt lookup).
+    """One greedy generation with transformers: method "assisted" (assistant model) or "hf_pld" (prompt lookup).
 
     Returns (new tokens, stop included; seconds; accepted length per target forward)."""
     model = target.model

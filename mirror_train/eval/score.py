@@ -97,13 +97,18 @@ def markdown(result: dict, run: dict | None = None) -> str:
         s = run.get("settings", {})
         lines += [
             f"Target `{run.get('target', {}).get('name_or_path', '?')}`, max_new_tokens {s.get('max_new_tokens')}, "
-            f"temperature {s.get('temperature')}, κ={s.get('kappa')}, γ={s.get('gamma')}, budget "
-            f"{s.get('branch_budget')}, proxy head `{s.get('proxy_head') or 'logit lens'}`, draft `{s.get('draft')}`.",
+            f"temperature {s.get('engine.temperature', s.get('temperature'))}, "
+            f"target {s.get('target_dtype', 'float32')}, "
+            f"κ={s.get('engine.kappa', s.get('kappa'))}, γ={s.get('engine.gamma', s.get('gamma'))}, budget "
+            f"{s.get('engine.branch_budget', s.get('branch_budget'))}, prompt lookup up to "
+            f"{s.get('engine.ngram_tokens', 0)} tokens, adaptive windows {s.get('engine.adaptive_window', False)}, "
+            f"proxy head `{s.get('proxy_head') or 'logit lens'}`, draft `{s.get('draft')}`.",
             "",
         ]
     methods = list(result["methods"])
     groups = ["overall", *result["tasks"]]
-    lines += ["## Speed-up over ar (mean per-question tokens/s ratio)", "", "| method | " + " | ".join(groups) + " |"]
+    title = "## Speed-up over ar (mean per-question tokens/s ÷ ar's, Spec-Bench's definition)"
+    lines += [title, "", "| method | " + " | ".join(groups) + " |"]
     lines.append("|---" * (len(groups) + 1) + "|")
     for m in methods:
         row = [(_fmt(result["methods"][m].get(g, {}).get("speedup"), ".2f") + "×") for g in groups]

@@ -4,8 +4,10 @@ schema (shared/docs/specbench.md), resumable.
 Protocol: batch 1; the model's own chat template (recorded in run.json); multi-turn questions continue with the
 method's own turn-1 answer; three untimed warm-up generations per method; wall time per turn around generation only
 (prefill included); methods interleaved question by question, so a machine's drift hits all of them alike; `runs`
-timed repetitions per turn, the median kept. Methods: the engine's `ar` (the baseline), `sd`, `mirror`, and the
-peers `assisted` (transformers with the same draft) and `pld` (prompt lookup).
+timed repetitions per turn, the median kept. Methods: the engine's `ar` (the baseline), `sd`, `mirror`, `pld`
+(prompt lookup, the engine's, on the same target code as `ar`), and the transformers peers `assisted` (with the
+same draft) and `hf_pld` (transformers' prompt lookup). The engine runs with `EngineConfig`'s defaults unless
+told otherwise: one place for every engine setting.
 
 Resuming: run.json records the settings; a run with other settings into the same directory is refused, naming what
 differs, and finished answers are never rewritten. Answers go to DIR/answers/<method>.jsonl one line per question.
@@ -18,15 +20,16 @@ import statistics
 import time
 import uuid
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from mirror_train.engine.engine import EngineConfig
 from mirror_train.errors import MirrorTrainError
 
-ENGINE_METHODS = ("ar", "sd", "mirror")
-PEER_METHODS = ("assisted", "pld")
+ENGINE_METHODS = ("ar", "sd", "mirror", "pld")
+PEER_METHODS = ("assisted", "hf_pld")
 METHODS = ENGINE_METHODS + PEER_METHODS
 
 
@@ -36,32 +39,20 @@ class SpecBenchConfig:
     target: str = "testbed"
     proxy_head: str | None = None  # an exported proxy head (None: the logit lens at ℓe)
     draft: str | None = None  # an exported draft (needed by sd, mirror, assisted)
-    methods: str = "ar,sd,mirror,assisted,pld"
+    methods: str = "ar,sd,mirror,pld,assisted,hf_pld"
     categories: str | None = None  # comma-separated categories or tasks (mt_bench, translation, ...); None: all
     limit_per_category: int | None = None  # questions per Spec-Bench task, spread over the task
     max_new_tokens: int = 128
-    temperature: float = 0.0
     runs: int = 1  # timed repetitions of each turn (the median is recorded)
     warmups: int = 3
     questions: str | None = None  # the question file (default: $MIRROR_TRAIN_SPECBENCH_QUESTIONS or shared data)
     download: bool = False  # fetch the question file from Spec-Bench at the pinned commit (sha256 checked)
     checksum: bool = True  # refuse a question file that is not the pinned one
     cache_dir: str = "~/.cache/mirror-train"
-    # Engine settings: the best measured with the default draft and head (docs/specbench.md): a draft that keeps
-    # ~1.3 tokens a step is verified in short windows, the head runs on the draft's side.
-    kappa: int = 8
-    gamma: int = 2
-    branch_budget: int = 16
-    exit_layer: int | None = None
-    candidate_vocab: int | None = 16384
-    head_placement: str = "draft"
-    draft_dtype: str = "auto"  # the draft's precision, here and as transformers' assistant (EngineConfig)
     # The target's precision, for every method alike (lossless means: equal to this target's own greedy output).
     # bfloat16 verifies a window at ~1.2× a one-token step on AMX CPUs and GPUs, float32 at ~1.75× (docs/engine.md).
     target_dtype: str = "float32"
-    placement: str = "process"
-    target_core: int | None = 0
-    draft_core: int | None = 1
+    engine: EngineConfig = field(default_factory=EngineConfig)  # every engine setting, with the engine's defaults
 
     @property
     def method_list(self) -> list[str]:
@@ -76,8 +67,9 @@ class SpecBenchConfig:
         needs_draft = [m for m in self.method_list if m in ("sd", "mirror", "assisted")]
         if needs_draft and not self.draft:
             raise MirrorTrainError(f"methods {needs_draft} need --draft")
-        if self.temperature > 0 and any(m in PEER_METHODS for m in self.method_list):
-            raise MirrorTrainError("the transformers peers (assisted, pld) are compared under greedy decoding only")
+        if self.engine.temperature > 0 and any(m in PEER_METHODS for m in self.method_list):
+            raise MirrorTrainError("the transformers peers (assisted, hf_pld) are compared under greedy decoding only")
+        self.engine.validate()
         if self.max_new_tokens < 1 or self.runs < 1 or self.warmups < 0:
             raise MirrorTrainError("max_new_tokens and runs must be ≥ 1, warmups ≥ 0")
         if self.limit_per_category is not None and self.limit_per_category < 1:
@@ -87,10 +79,11 @@ class SpecBenchConfig:
 
     def settings(self) -> dict:
         """What must match for a resumed run to add to the same answers (not where or how much)."""
-        keep = dict(asdict(self))
+        keep = {k: v for k, v in asdict(self).items() if k != "engine"}
         for k in ("out", "methods", "categories", "limit_per_category", "download", "cache_dir", "warmups"):
             keep.pop(k)
-        return keep
+        where = ("placement", "target_core", "draft_core", "threads", "gloo_port", "timeout_s")
+        return keep | {f"engine.{k}": v for k, v in asdict(self.engine).items() if k not in where}
 
 
 def _artifact_id(path: str | None) -> str | None:
@@ -153,7 +146,7 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
     """Run (or resume) the benchmark; returns the output directory."""
     import torch
 
-    from mirror_train.engine import EngineConfig, MirrorEngine
+    from mirror_train.engine import MirrorEngine
     from mirror_train.eval.peers import hf_generate
     from mirror_train.eval.questions import load_questions, resolve_questions
     from mirror_train.generation import encode_chat
@@ -178,19 +171,7 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
     answers_dir.mkdir(exist_ok=True)
     done = {m: _done(answers_dir / f"{m}.jsonl") for m in methods}
     todo = [q for q in questions if any(q.id not in done[m] for m in methods)]
-    engine_cfg = EngineConfig(
-        exit_layer=cfg.exit_layer,
-        kappa=cfg.kappa,
-        gamma=cfg.gamma,
-        branch_budget=cfg.branch_budget,
-        temperature=cfg.temperature,
-        candidate_vocab=cfg.candidate_vocab,
-        head_placement=cfg.head_placement,
-        draft_dtype=cfg.draft_dtype,
-        placement=cfg.placement,
-        target_core=cfg.target_core,
-        draft_core=cfg.draft_core,
-    )
+    engine_cfg = cfg.engine
     uses_draft = any(m in ("sd", "mirror") for m in methods)
     engine = MirrorEngine(target, cfg.proxy_head, cfg.draft if uses_draft else None, engine_cfg)
     assistant = None
@@ -199,7 +180,8 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
         from mirror_train.drafter_training import load_draft
 
         # the same network in the same precision as the engine's draft: only the decoding algorithm differs
-        assistant = load_draft(cfg.draft, target).to_llama().to(resolve_dtype(cfg.draft_dtype, target.device))
+        dtype = resolve_dtype(cfg.engine.draft_dtype, target.device)
+        assistant = load_draft(cfg.draft, target).to_llama().to(dtype)
     stops = sorted(engine.stops)
 
     def generate(method: str, messages: list[dict]) -> dict:
@@ -274,7 +256,7 @@ def _pinned_hf(target, ids, cfg, stops, method, assistant, hf_generate):
     """A transformers peer on the target's core with one thread, as the engine's target runs."""
     from mirror_train.engine.engine import _pinned
 
-    with _pinned(cfg.target_core if cfg.placement != "local" else None, 1):
+    with _pinned(cfg.engine.target_core if cfg.engine.placement != "local" else None, 1):
         return hf_generate(target, ids, cfg.max_new_tokens, stops, method, assistant)
 
 

@@ -304,7 +304,10 @@ class HeadEnd(nn.Module):
     def of(cls, head: ProxyHead) -> tuple[HeadEnd, dict]:
         """The head end of a bound head (its restricted rows, if any) and the head's own state, to send elsewhere."""
         if head.cfg.kind in ("attention", "lora_head"):
-            raise MirrorTrainError(f"a {head.cfg.kind} proxy head runs only beside its target (it needs more of it)")
+            raise MirrorTrainError(
+                f"a {head.cfg.kind} proxy head runs only beside its target (it needs more of it): set "
+                "head_placement=target (--head-placement target)"
+            )
         target = head._target
         end = cls(copy.deepcopy(target.decoder.norm), head.lm_head.proj.weight.detach().clone(), target.num_layers)
         end._softcap = head._softcap
