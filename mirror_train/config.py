@@ -129,12 +129,20 @@ def _apply_override(cls: type, data: dict, item: str) -> None:
         else:
             raise MirrorTrainError(f"{where}: {parent!r} is a single {_type_name(tp)} setting, not a section")
         if i == len(parts) - 1:
+            if _is_text(tp) and value is not None and not isinstance(value, str):
+                value = raw.strip()  # a text setting takes the word as written (YAML would read `no` as false)
             node[part] = value
         else:
             if not isinstance(node.get(part), dict):  # absent, or null/scalar in the file: the override wins
                 node[part] = {}
             node = node[part]
     _convert(tp, value, key, where)
+
+
+def _is_text(tp: Any) -> bool:
+    """A setting that holds text: str, or a Literal of strings (optionally None as well)."""
+    tp = _strip_optional(tp)
+    return tp is str or (get_origin(tp) is Literal and all(isinstance(a, str) for a in get_args(tp)))
 
 
 def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:

@@ -25,7 +25,7 @@ from mirror_train.errors import MirrorTrainError
 log = logging.getLogger(__name__)
 
 _CKPT_PREFIX = "step_"
-MIXED_PRECISION = (None, "no", "bf16", "fp16")
+MIXED_PRECISION = (None, "auto", "no", "bf16", "fp16")
 
 
 @dataclass
@@ -67,8 +67,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     # "bf16" autocasts the forward (AMX on recent Xeons, tensor cores on GPUs; a frozen LM head is cast once);
-    # unset: whatever `accelerate launch` says. Losses and held-out metrics stay in fp32.
-    mixed_precision: str | None = None
+    # "auto": bf16 where bf16 matmuls are fast (AMX CPUs, CUDA; devices.fast_bf16), else none; unset: whatever
+    # `accelerate launch` says. Losses and held-out metrics stay in fp32.
+    mixed_precision: str | None = "auto"
 
     def validate(self) -> None:
         if self.batch_size < 1 or self.epochs <= 0 or self.window < 1 or self.eval_every < 1 or self.save_every < 1:
@@ -78,7 +79,7 @@ class TrainConfig:
             raise MirrorTrainError("train: max_steps ≥ 1 and max_minutes > 0 when set")
         if self.mixed_precision not in MIXED_PRECISION:
             raise MirrorTrainError(
-                f"train.mixed_precision: expected one of no, bf16, fp16 (or unset), got {self.mixed_precision!r}"
+                f"train.mixed_precision: expected one of auto, no, bf16, fp16 (or unset), got {self.mixed_precision!r}"
             )
 
     def total_steps(self, steps_per_epoch: int) -> int:
@@ -174,8 +175,14 @@ def make_accelerator(
 ):
     """An Accelerator with the configured trackers, initialised with the resolved run config.
 
-    `mixed_precision` None leaves it to `accelerate launch` (its flag or config file); a value overrides that."""
+    `mixed_precision` None leaves it to `accelerate launch` (its flag or config file); a value overrides that;
+    "auto" is bf16 where bf16 matmuls are fast on the device accelerate picks, else none."""
     from accelerate import Accelerator
+
+    if mixed_precision == "auto":
+        from mirror_train.devices import fast_bf16
+
+        mixed_precision = "bf16" if fast_bf16("cuda" if torch.cuda.is_available() else "cpu") else "no"
 
     report = [r for r in log_cfg.report_to if r != "none"]
     if "wandb" in report or "all" in report:

@@ -3,9 +3,10 @@ token-by-token drafting, latency per tree size, parameters.
 
     python scripts/bench_drafter.py --draft outputs/drafter_smollm2/export --out docs/results/drafter_smollm2.json
 
-- Serial speculative decoding (the engine's `sd`, draft in-process, greedy) on `--prompts` Spec-Bench questions
-  (none is ever trained on): mean accepted tokens per verification at γ = 1..5, with the lookahead streams and
-  token by token, and the draft forwards each window took. Every output is checked against the target's own.
+- Serial speculative decoding (the engine's `sd`, draft in-process, greedy, every window the draft's whole γ: no
+  prompt lookup, no cut windows) on `--prompts` Spec-Bench questions (none is ever trained on): mean accepted
+  tokens per verification at γ = 1..5, with the lookahead streams and token by token, and the draft forwards each
+  window took. Every output is checked against the target's own.
 - Latency of one tree forward over 1, 8 and 32 new nodes after a 300-token context, one thread (one core), in
   float32 and bfloat16 (the engine's `draft_dtype`; AMX makes bf16 matmuls ~4x faster on this project's Xeon).
 - `--log`: a training log (the recipe's stdout) to turn into the curve of held-out top-1 agreement against
@@ -36,13 +37,17 @@ def _per_window(gens) -> float:
     return sum(s.committed for s in windows) / len(windows)
 
 
+def _alone(draft_dtype: str) -> dict:
+    """The draft alone: every window the draft's whole γ (no copied windows, no cut ones)."""
+    return {"draft_dtype": draft_dtype, "ngram_tokens": 0, "adaptive_window": False}
+
+
 def lossless_loop(target, draft_path, prompts, gammas, max_new_tokens, references, draft_dtype="auto"):
     rows = []
     for streams in (True, False):
         for gamma in gammas:
-            cfg = EngineConfig(
-                gamma=gamma, branch_budget=1, placement="local", use_streams=streams, draft_dtype=draft_dtype
-            )
+            alone = _alone(draft_dtype)
+            cfg = EngineConfig(gamma=gamma, branch_budget=1, placement="local", use_streams=streams, **alone)
             with MirrorEngine(target, None, draft_path, cfg) as engine:
                 gens = [engine.generate(p.messages(), max_new_tokens, method="sd") for p in prompts]
             steps = [s for g in gens for s in g.steps]
@@ -72,7 +77,7 @@ def checkpoint_curve(target, draft_path, root, prompts, references, gammas, max_
         step = int(state.get("step", ckpt.name.split("_")[1]))
         row = {"step": step, "minutes": round(state.get("minutes", 0.0), 2), "positions": step * batch_size}
         for gamma in gammas:
-            cfg = EngineConfig(gamma=gamma, branch_budget=1, placement="local", draft_dtype=draft_dtype)
+            cfg = EngineConfig(gamma=gamma, branch_budget=1, placement="local", **_alone(draft_dtype))
             with MirrorEngine(target, None, draft, cfg) as engine:
                 gens = [engine.generate(p.messages(), max_new_tokens, method="sd") for p in prompts]
             if any(g.tokens != ref for g, ref in zip(gens, references, strict=True)):

@@ -159,3 +159,14 @@ def test_validate_called():
 def test_missing_required(tmp_path):
     with pytest.raises(MirrorTrainError, match=r"run.yaml: missing required setting\(s\): name"):
         load_config(Run, write(tmp_path, "seed: 1\n"))
+
+
+def test_a_text_override_takes_the_word_as_written():
+    """`train.mixed_precision=no` (the word YAML reads as false) sets the text "no"; numbers stay numbers."""
+    from mirror_train.proxy_training import ProxyRunConfig
+
+    cfg = load_config(ProxyRunConfig, None, ["train.mixed_precision=no", "data.dtype=float32"])
+    assert cfg.train.mixed_precision == "no" and cfg.data.dtype == "float32"
+    assert load_config(ProxyRunConfig, None, ["train.mixed_precision=null"]).train.mixed_precision is None
+    with pytest.raises(MirrorTrainError, match="optim.lr"):
+        load_config(ProxyRunConfig, None, ["optim.lr=yes"])  # a number setting does not take a word

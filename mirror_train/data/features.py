@@ -45,12 +45,17 @@ class FeatureCacheConfig:
     top_k: int = 32
     max_tokens_per_batch: int = 4096  # padded tokens per teacher-forced forward
     max_seq_len: int = 1152  # longer sequences keep their last tokens
+    # Cache no more sequences than this many minutes allow at the throughput measured on the first batch (a seeded
+    # sample of them, recorded in selection.json); None: every sequence
+    max_minutes: float | None = None
 
     def validate(self) -> None:
         if not self.exit_layers:
             raise MirrorTrainError("exit_layers must name at least one layer")
         if self.top_k < 1 or self.max_tokens_per_batch < 2 or self.max_seq_len < 2:
             raise MirrorTrainError("top_k must be ≥ 1, max_tokens_per_batch and max_seq_len ≥ 2")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise MirrorTrainError(f"max_minutes must be > 0 (or null), got {self.max_minutes}")
 
 
 @dataclass(frozen=True)
@@ -99,12 +104,13 @@ def build_feature_cache(
     ]
     if not seqs:
         raise MirrorTrainError("no sequence of at least 2 tokens to cache")
+    seqs = [seqs[i] for i in _time_boxed(target, seqs, out, cfg)]
     counts = np.array([len(s.ids) - 1 for s in seqs], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(counts)])
     total, hidden_size, k = int(offsets[-1]), target.hidden_size, cfg.top_k
     meta = {
         "format_version": 1,
-        "config": asdict(cfg),
+        "config": {k: v for k, v in asdict(cfg).items() if k != "max_minutes"},  # selection.json records its effect
         "positions": total,
         "sequences": len(seqs),
         "answer_positions": int(sum(len(s.ids) - s.answer_start for s in seqs)),
@@ -163,6 +169,47 @@ def build_feature_cache(
         bar.update(int(counts[batch].sum()))
     bar.close()
     return out
+
+
+def _time_boxed(target, seqs: list[TokenSequence], out: Path, cfg: FeatureCacheConfig) -> list[int]:
+    """The sequences to cache: all, or under `cfg.max_minutes` a seeded sample that fits at the measured throughput
+    (a teacher-forced batch of the sample's first sequences, timed). The choice is made once and kept in
+    selection.json, so a resumed or repeated build caches the same sequences whatever the machine's speed then."""
+    selection = out / "selection.json"
+    if selection.exists():
+        return json.loads(selection.read_text())["kept"]
+    if cfg.max_minutes is None or (out / "meta.json").exists():
+        return list(range(len(seqs)))
+    import time
+
+    order = np.random.default_rng(0).permutation(len(seqs)).tolist()
+    probe, tokens = [], 0
+    for i in order:
+        if probe and tokens + len(seqs[i].ids) > cfg.max_tokens_per_batch:
+            break
+        probe.append(i)
+        tokens += len(seqs[i].ids)
+    rates = []
+    for _ in range(2):  # the first forward also warms up
+        start = time.perf_counter()
+        for i in probe:
+            target.hidden_states(torch.tensor([seqs[i].ids], device=target.device))
+        rates.append(tokens / (time.perf_counter() - start))
+    budget = max(rates) * cfg.max_minutes * 60
+    kept, total = [], 0
+    for i in order:
+        if total + len(seqs[i].ids) > budget:
+            break
+        kept.append(i)
+        total += len(seqs[i].ids)
+    kept = sorted(kept) if len(kept) < len(seqs) else list(range(len(seqs)))
+    if len(kept) < len(seqs):
+        log.warning(
+            "caching %d of %d sequences: %.0f positions a second fit %s minutes", len(kept), len(seqs), max(rates),
+            cfg.max_minutes,
+        )
+    selection.write_text(json.dumps({"kept": kept, "positions_per_s": round(max(rates), 1)}))
+    return kept
 
 
 class FeatureCache:

@@ -15,6 +15,7 @@ target's final state, layer N); `extra_layers` adds more, so that runs with diff
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -22,10 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from mirror_train.data.features import FeatureCache, FeatureCacheConfig, TokenSequence, build_feature_cache
 from mirror_train.data.selfdistill import SelfDistillConfig, generate_selfdistill, load_selfdistill
+from mirror_train.devices import resolve_dtype
 from mirror_train.errors import MirrorTrainError
 from mirror_train.generation import encode_chat
 from mirror_train.prompts import default_specbench_file, load_prompts
@@ -46,13 +46,17 @@ class DataConfig:
     extra_layers: list[int] = field(default_factory=list)  # also cache these (ℓe sweeps; another recipe's layers)
     top_k: int = 32
     max_tokens_per_batch: int = 4096
+    # Teacher-force no more sequences than this many minutes allow at the measured throughput (a seeded sample,
+    # features.py): with the self-distillation's own time box, the data stages keep their time on any machine
+    cache_minutes: float | None = None
     train_on: Literal["all", "answers"] = "all"  # which cached positions to train on
     answer_repeat: int = 1  # with train_on=all: answer positions appear this many times per epoch (the
     # held-out metric is measured on answers, the target's own text, which the forced prompts lack)
     # The precision the target runs in to make the *training* data (answers, states, top-k labels): on CPUs with
     # AMX bfloat16 makes it 1.7x (answers) to 3.7x (teacher forcing) faster, with argmax labels 96.7% equal to
-    # float32's (docs/proxy_head.md). Held-out data is always made in the precision the target is served in.
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    # float32's (docs/proxy_head.md); elsewhere it is slower. "auto": bfloat16 where bf16 matmuls are fast (AMX
+    # CPUs, CUDA), else float32. Held-out data is always made in the precision the target is served in.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
     def validate(self) -> None:
         if self.forced_prompts < 0 or self.answer_repeat < 1 or self.top_k < 1:
@@ -110,9 +114,15 @@ def exclusive(path: Path):
 
 
 def _prepare_data(data: DataConfig, target, layers: list[int], root: Path) -> tuple[Path, Path]:
-    features = FeatureCacheConfig(exit_layers=layers, top_k=data.top_k, max_tokens_per_batch=data.max_tokens_per_batch)
+    features = FeatureCacheConfig(
+        exit_layers=layers,
+        top_k=data.top_k,
+        max_tokens_per_batch=data.max_tokens_per_batch,
+        max_minutes=data.cache_minutes,
+    )
+    heldout_features = dataclasses.replace(features, max_minutes=None)  # the held-out set is always whole
     train_dir, heldout_dir = feature_dirs(data, layers)
-    maker = target.cast(getattr(torch, data.dtype))
+    maker = target.cast(resolve_dtype(data.dtype, target.device))
 
     sd = load_selfdistill(generate_selfdistill(data.selfdistill, root / "selfdistill", maker))
     sequences = [TokenSequence(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"])) for r in sd]
@@ -134,5 +144,5 @@ def _prepare_data(data: DataConfig, target, layers: list[int], root: Path) -> tu
         heldout_cfg.prompts = str(default_specbench_file())
     held = load_selfdistill(generate_selfdistill(heldout_cfg, root / "heldout", target))
     held_seqs = [TokenSequence(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"])) for r in held]
-    build_feature_cache(target, held_seqs, heldout_dir, features, {"heldout": str(root / "heldout")})
+    build_feature_cache(target, held_seqs, heldout_dir, heldout_features, {"heldout": str(root / "heldout")})
     return train_dir, heldout_dir

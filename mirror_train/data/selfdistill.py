@@ -2,8 +2,10 @@
 
 prompts (a local JSONL or any `datasets` source, multi-turn aware)
   → encoded with the target's chat template, over-long prompts truncated from the left with a warning
-  → answered in length-sorted batches (greedy by default, or sampled at a set temperature)
-  → rows appended to `work/rows.jsonl` after every batch, so a killed run resumes where it stopped
+  → answered in length-sorted batches (greedy by default, or sampled at a set temperature), the batches taken in a
+    seeded random order, so that a time box (`max_minutes`) keeps a sample of every prompt length
+  → rows appended to `work/rows.jsonl` after every batch, so a killed run resumes where it stopped (the minutes
+    spent are kept with them: a time box counts every run together)
   → a `datasets` dataset on disk (`dataset/`) plus `provenance.json` (target, settings, counts, time).
 
 Turn k of a multi-turn prompt is answered after turn k−1, with the model's own earlier answer in the context,
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,12 +45,17 @@ class SelfDistillConfig:
     temperature: float = 0.0  # 0 = greedy, the text the engine will see at T=0
     batch_size: int = 64  # at most; long prompts get smaller batches (see generation.generate_batch)
     seed: int = 0
+    # Stop answering after this many minutes (all runs of the stage together) and keep what is done: the default
+    # pipeline's time on any machine; None: answer every prompt
+    max_minutes: float | None = None
 
     def validate(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.max_turns < 1 or self.max_prompt_tokens < 8:
             raise MirrorTrainError("max_new_tokens, batch_size and max_turns must be ≥ 1; max_prompt_tokens ≥ 8")
         if self.temperature < 0:
             raise MirrorTrainError(f"temperature must be ≥ 0, got {self.temperature}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise MirrorTrainError(f"max_minutes must be > 0 (or null), got {self.max_minutes}")
 
 
 def read_prompt_source(source: str | None, split: str, limit: int | None, seed: int) -> list[Prompt]:
@@ -118,7 +126,9 @@ def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, tar
     out = Path(out_dir)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
+    # what the rows depend on (the time box only decides how many there are)
     settings = {"target": target.name_or_path, **asdict(cfg), **dtype_record(target)}
+    settings.pop("max_minutes")
     settings_file = work / "settings.json"
     if settings_file.exists() and json.loads(settings_file.read_text()) != settings:
         raise MirrorTrainError(
@@ -135,6 +145,10 @@ def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, tar
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
     started = time.perf_counter()
+    clock_file = work / "minutes.json"  # minutes spent by earlier runs: the time box counts them all
+    before = json.loads(clock_file.read_text())["minutes"] if clock_file.exists() else 0.0
+    spent = lambda: before + (time.perf_counter() - started) / 60  # noqa: E731
+    out_of_time = False
     truncated = generated = 0
     tok = target.tokenizer
     for turn in range(cfg.max_turns):
@@ -150,8 +164,13 @@ def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, tar
         by_length = sorted(range(len(todo)), key=lambda i: len(encoded[i]))
         todo, encoded = [todo[i] for i in by_length], [encoded[i] for i in by_length]
         flush_every = cfg.batch_size * 2  # a couple of batches per flush: resumable, and batches stay full
+        starts = list(range(0, len(todo), flush_every))
+        random.Random(cfg.seed + turn).shuffle(starts)  # a time box then keeps prompts of every length
         bar = tqdm(total=len(todo), desc=f"self-distillation, turn {turn + 1}", unit="prompt", disable=not todo)
-        for start in range(0, len(todo), flush_every):
+        for start in starts:
+            if cfg.max_minutes is not None and done and spent() >= cfg.max_minutes:  # at least one batch
+                out_of_time = True
+                break
             chunk = slice(start, start + flush_every)
             answers = generate_batch(
                 target.model,
@@ -170,7 +189,11 @@ def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, tar
                     generated += 1
                     f.write(json.dumps(row) + "\n")
             bar.update(len(todo[chunk]))
+            clock_file.write_text(json.dumps({"minutes": spent()}))
         bar.close()
+        if out_of_time:
+            log.warning("self-distillation stopped at its time box (%s min): %d answers", cfg.max_minutes, len(done))
+            break
     if truncated:
         log.warning("%d prompts were longer than %d tokens and kept only their end", truncated, cfg.max_prompt_tokens)
 
@@ -193,6 +216,7 @@ def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, tar
         "prompt_tokens": sum(len(r["prompt_ids"]) for r in rows),
         "truncated_prompts": truncated,
         "seconds_this_run": round(time.perf_counter() - started, 1),
+        "time_boxed": out_of_time,
     }
     (out / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
     return final
