@@ -310,8 +310,9 @@ def model_card(
 ) -> str:
     """A Hugging Face model card (README.md) with front matter the Hub indexes."""
     front = {"library_name": "mirror-train", "tags": ["speculative-decoding", "mirror-sd", kind]}
-    if _looks_like_hub_id(target.name_or_path):
-        front["base_model"] = target.name_or_path
+    hub_id = target.name_or_path.split(" (")[0]  # the testbed's upstream name carries which weights in brackets
+    if _looks_like_hub_id(hub_id):
+        front["base_model"] = hub_id
     rows = "\n".join(f"| {key} | {_cell(value)} |" for key, value in target.to_dict().items())
     what = _KIND_DESCRIPTIONS.get(kind, f"A {kind} artifact for Mirror Speculative Decoding.")
     return f"""---

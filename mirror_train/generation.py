@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -9,9 +10,26 @@ from tqdm.auto import tqdm
 
 
 def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` under the model's own chat template, ready for the assistant's turn."""
+    """Token ids of `messages` under the model's own chat template, ready for the assistant's turn.
+
+    A base model has no chat template: its prompt is then the messages' text, turns joined by blank lines and a
+    blank line after the last (where its answer starts), and a one-line notice says so once."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        if id(tokenizer) not in _PLAIN_TEXT_NOTED:
+            _PLAIN_TEXT_NOTED.add(id(tokenizer))
+            warnings.warn(
+                f"{getattr(tokenizer, 'name_or_path', 'the tokenizer') or 'the tokenizer'} has no chat template "
+                "(a base model): prompts are plain text, turns joined by blank lines",
+                UserWarning,
+                stacklevel=2,
+            )
+        text = "".join(m["content"] + "\n\n" for m in messages)
+        return list(tokenizer(text)["input_ids"])
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     return list(encoded["input_ids"])
+
+
+_PLAIN_TEXT_NOTED: set[int] = set()
 
 
 def stop_token_ids(tokenizer, model_config) -> list[int]:

@@ -147,7 +147,9 @@ class Target:
         """What an artifact records about this target, and what loading one checks against."""
         from mirror_train.export import TargetSignature
 
-        return TargetSignature.of(self.config, self.tokenizer, self.name_or_path)
+        from mirror_train.testbed import upstream_name
+
+        return TargetSignature.of(self.config, self.tokenizer, upstream_name(self.name_or_path))
 
     # --- KV cache ----------------------------------------------------------------------------------------------
     def new_cache(self):

