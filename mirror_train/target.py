@@ -146,7 +146,6 @@ class Target:
     def signature(self):
         """What an artifact records about this target, and what loading one checks against."""
         from mirror_train.export import TargetSignature
-
         from mirror_train.testbed import upstream_name
 
         return TargetSignature.of(self.config, self.tokenizer, upstream_name(self.name_or_path))
