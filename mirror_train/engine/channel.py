@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from mirror_train import fastpath
 from mirror_train.engine.messages import Failed, Ready, Stop
 from mirror_train.errors import MirrorTrainError
 
@@ -51,7 +52,8 @@ def build_server(spec: dict):
 
         import mirror_train.models.drafter  # noqa: F401  (registers the Auto classes)
 
-        model = AutoModelForCausalLM.from_pretrained(spec["path"], dtype=dtype).to(spec.get("device", "cpu"))
+        model = AutoModelForCausalLM.from_pretrained(spec["path"], dtype=dtype).to(spec.get("device", "cpu")).eval()
+        fastpath.install(model.requires_grad_(False), spec.get("fast_path", "none"))
         backend = ModelDraft(model, use_streams=spec.get("use_streams", True))
     head = None
     if spec.get("head"):  # the proxy head runs here: rebuild it from its bundle (engine.py, `_head_bundle`)

@@ -38,6 +38,7 @@ from typing import Literal
 
 import torch
 
+from mirror_train import fastpath
 from mirror_train.devices import resolve_device, resolve_dtype
 from mirror_train.engine.acceptance import accept, target_tokens, truncate
 from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDraft
@@ -87,6 +88,9 @@ class EngineConfig:
     # Cut each window to the length that maximises expected committed tokens per unit of the target's measured
     # verification time (window.py; off: always the draft's whole γ).
     adaptive_window: bool = True
+    # The served models' forward (fastpath.py): "auto" = oneDNN-prepacked linears on a CPU, the plain path elsewhere;
+    # installed on the target in place, so every method (the transformers peers too) runs the same module.
+    fast_path: Literal["auto", "onednn", "none"] = "auto"
 
     def validate(self) -> None:
         check_kappa(self.kappa)
@@ -116,6 +120,7 @@ class EngineConfig:
                 raise MirrorTrainError(f"{name}={core} is not a core this process may use ({sorted(cores)})")
         resolve_device(self.target_device)
         resolve_dtype(self.draft_dtype, self.draft_device)
+        fastpath.resolve(self.fast_path, self.draft_device)
 
 
 @dataclass
@@ -203,6 +208,7 @@ class MirrorEngine:
                 "and flip a greedy near-tie. Serve the target in float32 here for outputs equal to plain decoding.",
                 stacklevel=2,
             )
+        self.fast_path = fastpath.install(target.model, cfg.fast_path)
         self.head = self._bind_head(proxy_head)
         if cfg.kappa > target.vocab_size:
             raise MirrorTrainError(f"kappa={cfg.kappa} exceeds the vocabulary ({target.vocab_size})")
@@ -255,6 +261,7 @@ class MirrorEngine:
             "dtype": dtype,
             "ngram_tokens": cfg.ngram_tokens,
             "adaptive_window": cfg.adaptive_window,
+            "fast_path": cfg.fast_path,
         }
         if cfg.head_placement == "draft":
             common["head"] = self._head_bundle()

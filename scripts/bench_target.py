@@ -1,0 +1,125 @@
+"""The target's step against the hardware: read bandwidth, the floor it sets, and step times by window width on
+the default and the fast forward path (mirror_train/fastpath.py), one thread, as the engine's target runs.
+
+    python scripts/bench_target.py [--draft DIR] [--context 300] [--json]
+
+- bandwidth: a `torch` sum over a 1 GB float32 tensor, one thread (GB/s); floor: the target's weight bytes at
+  that bandwidth (a one-token step must read every weight once);
+- step_ms / default_step_ms: median ms of a forward of 1, 2, 4, 8, 16 new tokens after `--context` cached
+  positions (the cache cropped back after each), on the fast path and on torch's default path;
+- draft_ms (with --draft): the draft's tree forward of one node with its streams, on the same thread, and its
+  ratio to the target's one-token step.
+Prints a Markdown table, or one JSON object with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+import torch
+
+from mirror_train import fastpath
+from mirror_train.target import Target
+from mirror_train.timing import median_ms, torch_threads
+
+WIDTHS = (1, 2, 4, 8, 16)
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def read_bandwidth_gbs(gigabytes: float = 1.0) -> float:
+    x = torch.ones(int(gigabytes * 2**30 / 4))
+    ms = median_ms(lambda: x.sum(), repeats=5, warmup=1)
+    return x.numel() * 4 / ms / 1e6
+
+
+def step_times(target: Target, context: int, repeats: int) -> dict[int, float]:
+    ids = torch.randint(0, target.vocab_size, (1, context + max(WIDTHS)), generator=torch.Generator().manual_seed(0))
+    cache = target.new_cache()
+    target.forward(ids[:, :context], cache)
+    out = {}
+    for w in WIDTHS:
+
+        def step(w=w):
+            target.forward(ids[:, context : context + w], cache)
+            Target.crop(cache, context)
+
+        out[w] = median_ms(step, repeats=repeats)
+    return out
+
+
+def draft_time(target: Target, path: str, context: int, repeats: int) -> float:
+    from mirror_train.drafter_training import load_draft
+    from mirror_train.models.drafter import keep_cache_path
+
+    draft = load_draft(path, target).requires_grad_(False)
+    fastpath.install(draft, "auto")
+    ids = torch.randint(0, target.vocab_size, (1, context))
+    cache = draft.new_cache()
+    with torch.no_grad():
+        draft(ids, cache=cache, num_streams=0, logits_index=torch.tensor([context - 1]))
+
+    def step():
+        draft.tree_forward([1], [-1], cache, num_streams=None, logits_index=torch.tensor([0]))
+        keep_cache_path(cache, context, [])
+
+    return median_ms(step, repeats=repeats)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="testbed")
+    ap.add_argument("--draft", default=None, help="an exported draft: its one-node forward beside the target's step")
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    target = Target.load(args.target)
+    weights = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    with torch_threads(1), torch.inference_mode():
+        bandwidth = read_bandwidth_gbs()
+        default = step_times(target, args.context, args.repeats)
+        kind = fastpath.install(target.model, "auto")
+        fast = step_times(target, args.context, args.repeats)
+    result = {
+        "cpu": cpu_model(),
+        "torch": torch.__version__,
+        "fast_path": kind,
+        "context": args.context,
+        "weight_bytes": weights,
+        "bandwidth_gbs": round(bandwidth, 2),
+        "floor_ms": round(weights / bandwidth / 1e6, 2),
+        "step_ms": {w: round(t, 2) for w, t in fast.items()},
+        "default_step_ms": {w: round(t, 2) for w, t in default.items()},
+    }
+    if args.draft:
+        with torch_threads(1):
+            result["draft_ms"] = round(draft_time(target, args.draft, args.context, args.repeats), 2)
+        result["draft_over_step"] = round(result["draft_ms"] / result["step_ms"][1], 3)
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{result['cpu']}: {result['bandwidth_gbs']} GB/s read, floor {result['floor_ms']} ms ({kind} fast path)")
+    print("| new tokens | default ms | fast ms | fast / floor | fast / one-token fast |\n|---|---|---|---|---|")
+    for w in WIDTHS:
+        print(
+            f"| {w} | {default[w]:.1f} | {fast[w]:.1f} | {fast[w] / result['floor_ms']:.2f} | "
+            f"{fast[w] / fast[1]:.2f} |"
+        )
+    if args.draft:
+        print(f"draft forward (1 node, streams): {result['draft_ms']} ms = {result['draft_over_step']} of a step")
+
+
+if __name__ == "__main__":
+    main()
