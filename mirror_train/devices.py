@@ -6,6 +6,9 @@ sentence instead of a CUDA error deep inside a forward.
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+
 import torch
 
 from mirror_train.errors import MirrorTrainError
@@ -50,3 +53,22 @@ def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
     if name not in ("float32", "bfloat16"):
         raise MirrorTrainError(f"dtype must be auto, float32 or bfloat16, got {name!r}")
     return getattr(torch, name)
+
+
+@contextmanager
+def pinned(core: int | None, threads: int):
+    """Run the block on one core with `threads` intra-op threads (the target's side of the two-device layout).
+    Where the OS cannot pin a thread to a core (macOS), only the thread count is set."""
+    if not hasattr(os, "sched_setaffinity"):
+        core = None
+    before_threads = torch.get_num_threads()
+    before_cores = os.sched_getaffinity(0) if core is not None else None
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before_threads)
+        if core is not None:
+            os.sched_setaffinity(0, before_cores)

@@ -29,9 +29,7 @@ Decisions the papers leave open:
 from __future__ import annotations
 
 import copy
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -46,14 +44,12 @@ from mirror_train.models.drafter import (
     FEATURE_SLOTS,
     TARGET_SLOTS,
     MirrorDrafterForCausalLM,
-    check_compatible,
     frequent_token_map,
     paired_features,
 )
 from mirror_train.models.multi_stream_attention import packed_causal_mask, ttt_mask
 from mirror_train.training import LogConfig, OptimConfig, TrainConfig
 
-ARTIFACT_KIND = "draft"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # decoder layers only
 _DROPPED_LOGP = -1e4  # log-prob of a top-k id outside the draft's vocabulary (see `_draft_vocab_kl`)
 
@@ -430,65 +426,3 @@ def _agreement(model, draft, cache: FeatureCache, with_states: bool, steps: int,
     if depth:
         metrics["accept_len"] = accepted / max(windows, 1)
     return metrics | {"positions": int(counts[0])}
-
-
-# --- the artifact ---------------------------------------------------------------------------------------------
-def save_draft(model, out_dir, target, metrics: dict | None = None, extra: dict | None = None) -> Path:
-    """Export a self-describing draft artifact that `AutoModelForCausalLM.from_pretrained` also loads (after
-    `import mirror_train`): config.json + model.safetensors + the target's tokenizer, and mirror_config.json (kind
-    "draft", the draft's config, the target's signature, `extra`) + a model card with the held-out `metrics`.
-
-    LoRA adapters are merged into the layers first (this unwraps a peft model in place).
-    """
-    from safetensors.torch import load_file
-
-    from mirror_train.export import WEIGHTS_FILE, model_card, save_artifact
-
-    draft = model.merge_and_unload() if isinstance(model, PeftModel) else model
-    with tempfile.TemporaryDirectory() as tmp:  # save_artifact then writes the lot atomically, its files added
-        draft.save_pretrained(tmp)
-        target.tokenizer.save_pretrained(tmp)
-        weights = load_file(Path(tmp) / WEIGHTS_FILE)
-        files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file() and p.name != WEIGHTS_FILE}
-    config = {"model": draft.config.to_dict(), **(extra or {})}
-    table = None
-    if metrics:  # as evaluate_drafter returns them
-        rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in metrics.items() if k != "positions")
-        table = (
-            f"Agreement with the target's greedy choices on {metrics['positions']} held-out answer positions "
-            f"(stream_j: the token j further ahead).\n\n| metric | held-out |\n|---|---|\n{rows}"
-        )
-    usage = (
-        "from mirror_train.drafter_training import load_draft\nfrom mirror_train.target import Target\n\n"
-        "target = Target.load(...)  # the target this draft belongs to\ndraft = load_draft(PATH, target)\n"
-        "# or, without the check: transformers.AutoModelForCausalLM.from_pretrained(PATH) after `import mirror_train`"
-    )
-    c = draft.config
-    title = f"{c.num_hidden_layers}-layer draft, γ'={c.num_streams} streams, for {target.name_or_path}"
-    card = model_card(
-        kind=ARTIFACT_KIND, title=title, target=target.signature(), config=config, results_markdown=table, usage=usage
-    )
-    return save_artifact(
-        out_dir,
-        kind=ARTIFACT_KIND,
-        config=config,
-        state_dict=weights,
-        target=target.signature(),
-        card=card,
-        extra_files=files,
-    )
-
-
-def load_draft(path, target) -> MirrorDrafterForCausalLM:
-    """Load an exported draft and check that it belongs to `target` (tokenizer, vocabulary, layer count and, for a
-    feature-conditioned draft, the hidden state it reads) before it proposes a single token."""
-    from transformers import AutoModelForCausalLM
-
-    from mirror_train.export import load_artifact
-
-    load_artifact(path, expected_kind=ARTIFACT_KIND, target=target.signature())  # refuses before the weights load
-    draft = AutoModelForCausalLM.from_pretrained(path)
-    if not isinstance(draft, MirrorDrafterForCausalLM):
-        raise MirrorTrainError(f"{path} holds a {type(draft).__name__}, not a Mirror draft (MirrorDrafterForCausalLM)")
-    check_compatible(draft, target)
-    return draft.eval()

@@ -24,9 +24,9 @@ from mirror_train.drafter_training import (
     drafter_loss,
     evaluate_drafter,
     open_caches,
-    save_draft,
 )
 from mirror_train.errors import MirrorTrainError
+from mirror_train.models.draft_artifact import save_draft
 from mirror_train.target import Target
 from mirror_train.training import (
     make_accelerator,

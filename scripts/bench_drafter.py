@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from mirror_train.drafter_training import load_draft
 from mirror_train.engine import EngineConfig, MirrorEngine
+from mirror_train.models.draft_artifact import load_draft
 from mirror_train.prompts import default_specbench_file, load_prompts
 from mirror_train.target import Target
 from mirror_train.timing import median_ms, torch_threads

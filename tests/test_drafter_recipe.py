@@ -25,11 +25,10 @@ from mirror_train.drafter_training import (
     build_draft,
     drafter_loss,
     evaluate_drafter,
-    load_draft,
     open_caches,
-    save_draft,
 )
 from mirror_train.errors import MirrorTrainError
+from mirror_train.models.draft_artifact import load_draft, save_draft
 from mirror_train.models.drafter import MirrorDrafterForCausalLM
 from mirror_train.proxy_training import ProxyRunConfig
 from mirror_train.target import Target

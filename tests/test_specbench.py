@@ -71,7 +71,7 @@ def test_score_recomputes_spec_bench_metrics_by_hand(tmp_path):
 # --- a whole run on the testbed -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def untrained_draft_dir(testbed_target, tmp_path_factory):
-    from mirror_train.drafter_training import save_draft
+    from mirror_train.models.draft_artifact import save_draft
     from mirror_train.models.drafter import MirrorDrafterForCausalLM
 
     draft = MirrorDrafterForCausalLM.from_target(testbed_target, 2, 2, 1)

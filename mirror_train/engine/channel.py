@@ -71,7 +71,7 @@ def build_server(spec: dict):
 
 
 def _pin(core: int | None, threads: int) -> None:
-    if core is not None:
+    if core is not None and hasattr(os, "sched_setaffinity"):  # macOS cannot pin: the OS places the worker
         os.sched_setaffinity(0, {core})
     torch.set_num_threads(threads)
 

@@ -32,14 +32,13 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
 
 from mirror_train import fastpath
-from mirror_train.devices import resolve_device, resolve_dtype
+from mirror_train.devices import pinned, resolve_device, resolve_dtype
 from mirror_train.engine.acceptance import accept, target_tokens, truncate
 from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDraft
 from mirror_train.engine.drafts import SyntheticDraftConfig
@@ -113,8 +112,9 @@ class EngineConfig:
             raise MirrorTrainError(f"ngram_tokens must be in 0..{MAX_GAMMA}, got {self.ngram_tokens}")
         if self.threads < 1 or self.timeout_s <= 0:
             raise MirrorTrainError("threads must be ≥ 1 and timeout_s > 0")
-        cores = os.sched_getaffinity(0)
-        for name in ("target_core", "draft_core") if self.placement != "local" else ():  # local: nothing is pinned
+        pins = self.placement != "local" and hasattr(os, "sched_getaffinity")  # local: nothing is pinned
+        cores = os.sched_getaffinity(0) if pins else set()
+        for name in ("target_core", "draft_core") if pins else ():
             core = getattr(self, name)
             if core is not None and core not in cores:
                 raise MirrorTrainError(f"{name}={core} is not a core this process may use ({sorted(cores)})")
@@ -273,8 +273,8 @@ class MirrorEngine:
             path = os.path.join(self._tmp.name, "draft")
             draft.save_pretrained(path)
         else:
-            from mirror_train.drafter_training import ARTIFACT_KIND
             from mirror_train.export import load_artifact
+            from mirror_train.models.draft_artifact import ARTIFACT_KIND
 
             path = str(draft)
             load_artifact(path, expected_kind=ARTIFACT_KIND, target=target.signature())  # clear errors, early
@@ -438,7 +438,7 @@ class MirrorEngine:
             max_new_tokens=max_new_tokens,
             reference=list(reference) if reference is not None else None,
         )
-        with _pinned(cfg.target_core if cfg.placement != "local" else None, cfg.threads):
+        with pinned(cfg.target_core if cfg.placement != "local" else None, cfg.threads):
             if method != "ar" and cfg.adaptive_window and self._costs is None:
                 self._costs = self._measure_costs()
             seq.channel = self._pld_channel() if method == "pld" else self.draft if method != "ar" else None
@@ -658,19 +658,3 @@ def _ema(mean: float | None, x: float) -> float:
 def _wire(states: dict[str, torch.Tensor] | None):
     """Target states as they cross the channel: slot → float32 numpy (a few KB a step; the prompt's once)."""
     return {slot: x.float().cpu().numpy() for slot, x in states.items()} if states else None
-
-
-@contextmanager
-def _pinned(core: int | None, threads: int):
-    """Run the block on one core with `threads` intra-op threads (the target's side of the two-device layout)."""
-    before_threads = torch.get_num_threads()
-    before_cores = os.sched_getaffinity(0)
-    if core is not None:
-        os.sched_setaffinity(0, {core})
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before_threads)
-        if core is not None:
-            os.sched_setaffinity(0, before_cores)

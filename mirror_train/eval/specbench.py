@@ -177,7 +177,7 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
     assistant = None
     if "assisted" in methods:
         from mirror_train.devices import resolve_dtype
-        from mirror_train.drafter_training import load_draft
+        from mirror_train.models.draft_artifact import load_draft
 
         # the same network in the same precision as the engine's draft: only the decoding algorithm differs
         dtype = resolve_dtype(cfg.engine.draft_dtype, target.device)
@@ -254,9 +254,9 @@ def _reads_target_states(draft: str) -> bool:
 
 def _pinned_hf(target, ids, cfg, stops, method, assistant, hf_generate):
     """A transformers peer on the target's core with one thread, as the engine's target runs."""
-    from mirror_train.engine.engine import _pinned
+    from mirror_train.devices import pinned
 
-    with _pinned(cfg.engine.target_core if cfg.engine.placement != "local" else None, 1):
+    with pinned(cfg.engine.target_core if cfg.engine.placement != "local" else None, 1):
         return hf_generate(target, ids, cfg.max_new_tokens, stops, method, assistant)
 
 
