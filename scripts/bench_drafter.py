@@ -90,7 +90,7 @@ def checkpoint_curve(target, draft_path, root, prompts, references, gammas, max_
 
 def latency(target, draft, nodes=(1, 8, 32), context=300):
     """Median ms of one tree forward over n new chained nodes after `context` cached tokens, on one thread."""
-    from mirror_train.models.drafter import keep_cache_path
+    from mirror_train.engine.rollout import keep_cache_path
 
     ids = torch.randint(0, target.vocab_size, (1, context))
     out = {}

@@ -59,8 +59,8 @@ def step_times(target: Target, context: int, repeats: int) -> dict[int, float]:
 
 
 def draft_time(target: Target, path: str, context: int, repeats: int) -> float:
+    from mirror_train.engine.rollout import keep_cache_path
     from mirror_train.models.draft_artifact import load_draft
-    from mirror_train.models.drafter import keep_cache_path
 
     draft = load_draft(path, target).requires_grad_(False)
     fastpath.install(draft, "auto")

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
+from mirror_train.engine.rollout import keep_cache_path, rollout
 from mirror_train.errors import MirrorTrainError
 from mirror_train.models.drafter import (
     MirrorDrafterConfig,
     MirrorDrafterForCausalLM,
     check_compatible,
     frequent_token_map,
-    keep_cache_path,
     paired_features,
 )
 from mirror_train.target import Target
@@ -218,9 +218,9 @@ def test_tree_batched_rollout_equals_each_branch_alone(llama, use_streams, forwa
     draft = drafter(llama)
     context = tokens(6, seed=1)
     roots = [[5], [7, 9], [11, 3, 4], [7, 9]]  # ragged, and two identical branches
-    batched = draft.rollout(prefill(draft, context), roots, gamma=5, use_streams=use_streams)
+    batched = rollout(draft, prefill(draft, context), roots, gamma=5, use_streams=use_streams)
     for root, result in zip(roots, batched):
-        alone = draft.rollout(prefill(draft, context), [root], gamma=5, use_streams=use_streams)[0]
+        alone = rollout(draft, prefill(draft, context), [root], gamma=5, use_streams=use_streams)[0]
         assert result.tokens == alone.tokens
         assert result.num_forwards == forwards == math.ceil(5 / (1 + 2 * use_streams))
         torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
@@ -232,7 +232,7 @@ def test_rollout_returns_target_ids_with_a_reduced_vocabulary(llama):
     ids = list(range(64, 128))
     draft = drafter(llama, draft_vocab=ids)
     context = tokens(5)
-    result = draft.rollout(prefill(draft, context), [[1], [2, 3]], gamma=4)
+    result = rollout(draft, prefill(draft, context), [[1], [2, 3]], gamma=4)
     for root, r in zip([[1], [2, 3]], result):
         assert all(t in ids for t in r.tokens)
         assert r.tokens == reference_rollout(draft, context[0].tolist() + root, 4, True)
@@ -242,7 +242,7 @@ def test_sampled_rollout_is_reproducible_and_reports_its_logprobs(llama):
     draft = drafter(llama)
     context = tokens(5)
     runs = [
-        draft.rollout(
+        rollout(draft,
             prefill(draft, context), [[1], [2]], gamma=4, temperature=0.8, generator=torch.Generator().manual_seed(3)
         )
         for _ in range(2)
@@ -257,7 +257,7 @@ def test_keep_cache_path_keeps_exactly_the_chosen_branch(llama):
     context = tokens(6, seed=2)
     cache = prefill(draft, context)
     roots = [[5], [7, 9], [11]]
-    results = draft.rollout(cache, roots, gamma=5)
+    results = rollout(draft, cache, roots, gamma=5)
     fed = sum(len(r.nodes) for r in results)
     assert cache.get_seq_length() == 6 + fed  # only main tokens: each fed node adds one slot, streams none
     chosen = results[1]
@@ -395,11 +395,11 @@ def test_rollout_reads_the_roots_target_features(llama):
     context = tokens(5)
     roots = [[1], [2, 3]]
     features = [torch.randn(1, 32), torch.randn(2, 32)]
-    batched = draft.rollout(prefill(draft, context), roots, gamma=3, features={"exit": torch.cat(features)})
+    batched = rollout(draft, prefill(draft, context), roots, gamma=3, features={"exit": torch.cat(features)})
     for root, feature, result in zip(roots, features, batched):
-        alone = draft.rollout(prefill(draft, context), [root], gamma=3, features={"exit": feature})
+        alone = rollout(draft, prefill(draft, context), [root], gamma=3, features={"exit": feature})
         assert result.tokens == alone[0].tokens
-    unconditioned = draft.rollout(prefill(draft, context), roots, gamma=3)
+    unconditioned = rollout(draft, prefill(draft, context), roots, gamma=3)
     assert [r.logprobs for r in unconditioned] != [r.logprobs for r in batched]
 
 
@@ -475,9 +475,9 @@ def test_bad_rollout_arguments_are_refused(llama):
     draft = drafter(llama)
     cache = prefill(draft, tokens(4))
     with pytest.raises(MirrorTrainError, match="root"):
-        draft.rollout(cache, [[1], []], gamma=3)
+        rollout(draft, cache, [[1], []], gamma=3)
     with pytest.raises(MirrorTrainError, match="gamma"):
-        draft.rollout(cache, [[1]], gamma=0)
+        rollout(draft, cache, [[1]], gamma=0)
     with pytest.raises(MirrorTrainError, match="num_streams must be in 0..2"):
         draft(tokens(3), num_streams=3)
     with pytest.raises(MirrorTrainError, match="parent"):

@@ -17,7 +17,8 @@ from mirror_train.engine import EngineConfig, MirrorEngine, SyntheticDraftConfig
 from mirror_train.engine.acceptance import accept, truncate
 from mirror_train.engine.branches import fit_budget, rank_branches
 from mirror_train.engine.channel import ProcessDraft
-from mirror_train.engine.latency import expected_committed
+from mirror_train.engine.rollout import rollout, rollout_tree
+from mirror_train.engine.window import expected_committed
 from mirror_train.errors import MirrorTrainError
 from mirror_train.models.drafter import MirrorDrafterForCausalLM
 from mirror_train.target import Target
@@ -123,9 +124,9 @@ def test_fit_budget_fits_a_line_and_clamps():
 
 
 def test_expected_committed():
-    assert expected_committed(0.0, 4) == 1.0
-    assert expected_committed(1.0, 4) == 5.0
-    assert expected_committed(0.5, 3) == pytest.approx(1.875)  # 1 + 1/2 + 1/4 + 1/8
+    assert expected_committed([0.0] * 4)[-1] == 1.0
+    assert expected_committed([1.0] * 4)[-1] == 5.0
+    assert expected_committed([0.5] * 3)[-1] == pytest.approx(1.875)  # 1 + 1/2 + 1/4 + 1/8
 
 
 # --- the draft's tree rollout -------------------------------------------------------------------------------------
@@ -142,10 +143,10 @@ def test_rollout_tree_equals_each_branch_rolled_out_alone(target, num_streams):
     draft = MirrorDrafterForCausalLM.from_target(target, 2, num_streams, 1)
     context, spine = [7, 30, 31, 8, 99], [12, 40, 41, 42]
     branches = [(0, 9), (2, 50), (3, None), (1, None), (-1, 5), (3, 60), (0, None)]
-    batched = draft.rollout_tree(prefill(draft, context), spine, branches, gamma=5)
+    batched = rollout_tree(draft, prefill(draft, context), spine, branches, gamma=5)
     for (anchor, token), result in zip(branches, batched):
         root = spine[: anchor + 1] + ([token] if token is not None else [])
-        alone = draft.rollout(prefill(draft, context), [root], gamma=5)[0]
+        alone = rollout(draft, prefill(draft, context), [root], gamma=5)[0]
         assert result.tokens == alone.tokens, (anchor, token)
         torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
 

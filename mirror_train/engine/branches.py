@@ -32,7 +32,7 @@ def rank_branches(
 
     window: the drafted d_1..d_γ; cand_ids / cand_logp: (γ+1) × κ proxy candidates and log-probs at each window
     position r = 0..γ; window_logp: (γ) log p_proxy(d_{r+1} | r); accept_prob: (γ) a_r, the probability that the
-    target keeps d_{r+1} (an `AcceptanceModel`'s calibration of the proxy's belief).
+    target keeps d_{r+1} (window.Calibration of the proxy's belief, learnt online).
     """
     gamma = len(window)
     if len(cand_ids) != gamma + 1 or len(cand_logp) != gamma + 1 or len(window_logp) != gamma:
@@ -54,43 +54,6 @@ def rank_branches(
             reach *= accept_prob[r]
     scored.sort(key=lambda s: (-s[0], s[1]))
     return [(r, c, score) for score, r, c in scored[:budget]]
-
-
-class AcceptanceModel:
-    """P(the target keeps drafted token d_{r+1}) as a function of the proxy's probability of it, learnt online.
-
-    The proxy's raw probability is a poor acceptance estimate (it is not the draft, and it is over- or
-    under-confident), and the bonus branch's weight P(A = γ) = Π a_r compounds any bias γ times. So each step's
-    observed outcomes (kept for r < A, rejected at r = A) update per-bin counts over the proxy's probability; a bin's
-    estimate shrinks towards the overall rate with `prior` pseudo-counts. Starts at `initial` with no data.
-    """
-
-    def __init__(self, bins: int = 10, prior: float = 4.0, initial: float = 0.5):
-        self.bins, self.prior, self.initial = bins, prior, initial
-        self.kept = [0] * bins
-        self.seen = [0] * bins
-
-    def _bin(self, p: float) -> int:
-        return min(int(p * self.bins), self.bins - 1)
-
-    def rate(self) -> float:
-        total = sum(self.seen)
-        return (sum(self.kept) + self.prior * self.initial) / (total + self.prior)
-
-    def predict(self, probs: Sequence[float]) -> list[float]:
-        overall = self.rate()
-        out = []
-        for p in probs:
-            b = self._bin(p)
-            out.append((self.kept[b] + self.prior * overall) / (self.seen[b] + self.prior))
-        return out
-
-    def update(self, probs: Sequence[float], accepted: int) -> None:
-        """probs: the proxy's probability of each drafted token; accepted: A (positions after A are unobserved)."""
-        for r, p in enumerate(probs[: accepted + 1]):
-            b = self._bin(p)
-            self.seen[b] += 1
-            self.kept[b] += r < accepted
 
 
 def fit_budget(samples: Sequence[tuple[int, float]], deadline_ms: float | None, budget: int) -> int:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mirror_train.engine.rollout import Rollout, keep_cache_path, rollout_tree
 from mirror_train.errors import MirrorTrainError
-from mirror_train.models.drafter import Rollout
 
 
 class ModelDraft:
@@ -46,7 +46,8 @@ class ModelDraft:
 
     def rollout(self, spine: Sequence[int], branches: Sequence[tuple[int, int | None]], gamma: int, features=None):
         self.committed = self.cache.get_seq_length()  # every rollout follows a `keep` (or `reset`)
-        results = self.model.rollout_tree(
+        results = rollout_tree(
+            self.model,
             self.cache, spine, branches, gamma, use_streams=self.use_streams, features=self._features(features)
         )
         return results
@@ -57,8 +58,6 @@ class ModelDraft:
         return {slot: torch.as_tensor(f).to(self.model.device, self.model.dtype) for slot, f in features.items()}
 
     def keep(self, n: int) -> None:
-        from mirror_train.models.drafter import keep_cache_path
-
         keep_cache_path(self.cache, self.committed, range(n))
 
 

@@ -2,22 +2,24 @@
 exactly the target's.
 
 One step of `method="mirror"` (shared/docs/mirror-sd.md), with committed tokens y_≤t, y_t not yet in the target's
-cache, and a drafted window d_1..d_γ:
-    1. target layers 1..ℓe over [y_t, d_1..d_γ]; the proxy head's top-κ candidates and log-probs at each position
-    2. those go to the draft ("branches"), which ranks branches (branches.py) and rolls out the best that fit
-    3. meanwhile the target runs layers ℓe+1..N → its tokens y*_0..y*_γ → accept → commit d_1..d_A, c* (acceptance.py)
-    4. the verdict goes to the draft, which answers with the next window: the branch (A, c*) if it rolled it out
-       (reuse), else a serial rollout from the committed context (fallback)
+cache, and a drafted window d_1..d_w:
+    1. target layers 1..ℓe over [y_t, d_1..d_w] (`_step`); the proxy head's top-κ candidates at each position
+    2. those go to the draft (`Branches`), which ranks branches (branches.py) and rolls out the best that fit
+    3. meanwhile the target runs layers ℓe+1..N → its tokens y*_0..y*_w → accept → commit d_1..d_A, c* (acceptance.py)
+    4. the verdict goes to the draft (`Verdict`, with the target's final states of the committed tokens for a draft
+       that reads them), which answers with the next window: the branch (A, c*) if it rolled it out (reuse), else
+       a serial rollout from the committed context (fallback); either way the window is the model's tokens or a
+       copy of the text (prompt lookup, ngram.py), whichever promises more, cut to the length that pays for its
+       verification (window.py)
     5. rollback: the target's cache (and an attention head's) is cropped to the committed tokens; the draft keeps
        the committed path of its tree and drops the rest (server.py)
-`method="sd"` is serial speculative decoding with the same draft, channel and verification (no early exit, no
-branches); `method="ar"` is the target alone. All three share the target code path, so they compare fairly.
+`method="sd"` is serial speculative decoding with the same draft, channel, windows and verification (no early exit,
+no branches); `method="pld"` verifies copied windows alone (no draft model); `method="ar"` is the target alone.
+All share the target code path (and its fast path, fastpath.py), so they compare fairly.
 
-Where the proxy head runs: on the target's device, between the halves. It reads the ℓe states, which are already
-there, and its cost (adapter ~1.6 ms, the LM head ~21 ms per 8 positions on one core, docs/proxy_head.md) sits
-on the target's critical path; running it on the draft's side would move that cost off the critical path but
-send (γ+1)·H floats a step (14 KB at γ = 5 on the testbed) and take the same time out of the draft's rollout
-budget, which is already the scarcer of the two on a CPU.
+Where the proxy head runs (`head_placement`): on the draft's side by default, where its cost comes out of the
+rollout's share of the target's suffix, the window's ℓe states ((γ+1)·H floats) crossing instead of candidates; or
+beside the target, between its halves, where its cost sits on the target's critical path.
 
 Faults: if the draft dies, fails or does not answer within `timeout_s`, a warning is issued and generation goes on
 target-only from the committed tokens, so the output is unchanged.

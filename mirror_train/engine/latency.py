@@ -29,10 +29,3 @@ def predicted_step_ms(
     if method == "sd":
         return prefix_ms + suffix_ms + fallback_ms + channel_ms
     return prefix_ms + suffix_ms
-
-
-def expected_committed(acceptance: float, gamma: int) -> float:
-    """Expected tokens committed per verification at i.i.d. per-token acceptance α: (1 − α^{γ+1}) / (1 − α)."""
-    if acceptance >= 1:
-        return gamma + 1.0
-    return (1 - acceptance ** (gamma + 1)) / (1 - acceptance)

@@ -32,11 +32,11 @@ from collections import deque
 
 import torch
 
-from mirror_train.engine.branches import AcceptanceModel, fit_budget, rank_branches, rollout_line
+from mirror_train.engine.branches import fit_budget, rank_branches, rollout_line
 from mirror_train.engine.messages import Branches, Ping, Pong, Start, Verdict, Window
 from mirror_train.engine.ngram import NgramIndex
+from mirror_train.engine.rollout import Rollout
 from mirror_train.engine.window import Calibration, best_length, prob_key
-from mirror_train.models.drafter import Rollout
 
 TARGET_SLOTS = ("exit", "final")
 
@@ -66,7 +66,9 @@ class DraftServer:
         self.window_keys: list = []  # the calibration keys of the window being verified
         self.head = head
         self.kappa = kappa
-        self.acceptance = AcceptanceModel()  # learns from every verdict; persists across sequences
+        # P(the target keeps a drafted token | the proxy's probability of it): learnt from every verdict, kept across
+        # sequences (the proxy's raw probability is over- or under-confident, and γ-fold products compound it)
+        self.acceptance = Calibration()
         self.window_p: list[float] | None = None  # the proxy's probability of each drafted token, this step
         self.cands: list[list[int]] | None = None
         self.branch_budget = branch_budget
@@ -146,7 +148,7 @@ class DraftServer:
         self.window_states = exit_states if "exit" in self.target_slots else None
         self.window_p = [math.exp(lp) for lp in window_logp]
         self.cands = ids
-        accept_prob = self.acceptance.predict(self.window_p)
+        accept_prob = self.acceptance.predict([prob_key(p) for p in self.window_p])
         ranked = rank_branches(self.window, ids, logp, window_logp, accept_prob, self.branch_budget)
         # The look-ahead (drafted during the prefix) is the branch "whole window kept, c* = the draft's own next
         # token": it rides on the spine and is completed in the same tree; the others share the rest of the time.
@@ -200,7 +202,7 @@ class DraftServer:
         self.calibration.update(self.window_keys, accepted)
         info = {"branches": self.num_branches, "branch_ms": self.branch_ms if self.rolled_spine else 0.0}
         if self.window_p is not None:  # learn the acceptance rate; report the candidates where the window stopped
-            self.acceptance.update(self.window_p, accepted)
+            self.acceptance.update([prob_key(p) for p in self.window_p], accepted)
             info["candidates"] = self.cands[accepted]
             self.window_p = self.cands = None
         hit = self.rolled.get((accepted, correction))
