@@ -35,158 +35,21 @@ import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Literal
 
 import torch
 
 from mirror_train import fastpath
-from mirror_train.devices import pinned, resolve_device, resolve_dtype
+from mirror_train.devices import pinned, resolve_dtype
 from mirror_train.engine.acceptance import accept, target_tokens, truncate
 from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDraft
+from mirror_train.engine.config import METHODS, EngineConfig, Generation, StepStats
 from mirror_train.engine.drafts import SyntheticDraftConfig
 from mirror_train.engine.latency import predicted_step_ms
 from mirror_train.engine.messages import Branches, Candidates, Ping, Start, Verdict
 from mirror_train.engine.window import fit_costs
 from mirror_train.errors import MirrorTrainError
-from mirror_train.metrics import check_kappa
 from mirror_train.target import Target
 from mirror_train.vocab import top_ranked
-
-METHODS = ("ar", "sd", "mirror", "pld")
-MAX_GAMMA = 32
-
-
-@dataclass
-class EngineConfig:
-    exit_layer: int | None = None  # ℓe: None = the proxy head's, or N/2 with the logit lens
-    kappa: int = 8  # candidates per window position sent over the channel
-    gamma: int = 4  # drafted tokens per window at most (adaptive_window cuts each to what pays)
-    branch_budget: int = 16  # the most branches the draft rolls out a step
-    adaptive_budget: bool = True  # fewer when the draft's measured cost says they would not fit the target's suffix
-    temperature: float = 0.0  # 0: greedy; else the target's tokens are samples at this temperature
-    seed: int = 0  # of the target's sampling (each generate call restarts it)
-    placement: Literal["process", "gloo", "local"] = "process"  # where the draft runs (channel.py)
-    target_device: str = "cpu"
-    draft_device: str = "cpu"
-    target_core: int | None = 0  # CPU core for the target's thread while generating (None: leave as is)
-    draft_core: int | None = 1  # CPU core of the draft worker (None: any)
-    threads: int = 1  # intra-op threads on each side
-    gloo_port: int = 29533
-    timeout_s: float = 60.0  # a draft silent for this long is taken for dead
-    use_streams: bool = True  # the draft's lookahead streams (False: one token per draft forward)
-    # Mirror-SD: while the target runs its prefix, the draft drafts on past its window (server.py `_look_ahead`)
-    look_ahead: bool = True
-    candidate_vocab: int | None = 16384  # the proxy head scores only this many ids (its artifact's most frequent
-    # first, else the lowest ids, which BPE's merge order makes roughly the most frequent); None or more than the
-    # vocabulary: all of them. 96.6% of held-out answer tokens at a third of the head's cost (docs/engine.md)
-    head_placement: Literal["target", "draft"] = "draft"  # where the proxy head runs (module docstring)
-    # What the draft, and a proxy head on the draft's side, compute in. They only propose, so their precision cannot
-    # change the output; "auto": bfloat16 where bf16 matmuls are fast (AMX CPUs, CUDA), else float32.
-    draft_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # Prompt lookup (ngram.py): windows copied from the prompt and the committed text, up to this long, compete with
-    # the draft's in sd and mirror alike (0: off); method "pld" verifies them alone, with no draft model.
-    ngram_tokens: int = 8
-    # Cut each window to the length that maximises expected committed tokens per unit of the target's measured
-    # verification time (window.py; off: always the draft's whole γ).
-    adaptive_window: bool = True
-    # The served models' forward (fastpath.py): "auto" = oneDNN-prepacked linears on a CPU, the plain path elsewhere;
-    # installed on the target in place, so every method (the transformers peers too) runs the same module.
-    fast_path: Literal["auto", "onednn", "none"] = "auto"
-
-    def validate(self) -> None:
-        check_kappa(self.kappa)
-        if isinstance(self.gamma, bool) or not isinstance(self.gamma, int) or not 1 <= self.gamma <= MAX_GAMMA:
-            raise MirrorTrainError(f"gamma (window length) must be an int in 1..{MAX_GAMMA}, got {self.gamma!r}")
-        most = self.kappa * (self.gamma + 1)
-        if not 1 <= self.branch_budget <= most:
-            raise MirrorTrainError(
-                f"branch_budget must be in 1..κ·(γ+1) = {most} (there are no more branches), got {self.branch_budget}"
-            )
-        if self.temperature < 0:
-            raise MirrorTrainError(f"temperature must be ≥ 0, got {self.temperature}")
-        if self.placement not in ("process", "gloo", "local"):
-            raise MirrorTrainError(f"placement must be process, gloo or local, got {self.placement!r}")
-        if self.candidate_vocab is not None and self.candidate_vocab < self.kappa:
-            raise MirrorTrainError(f"candidate_vocab ({self.candidate_vocab}) must hold at least κ={self.kappa} ids")
-        if self.head_placement not in ("target", "draft"):
-            raise MirrorTrainError(f"head_placement must be target or draft, got {self.head_placement!r}")
-        if not 0 <= self.ngram_tokens <= MAX_GAMMA:
-            raise MirrorTrainError(f"ngram_tokens must be in 0..{MAX_GAMMA}, got {self.ngram_tokens}")
-        if self.threads < 1 or self.timeout_s <= 0:
-            raise MirrorTrainError("threads must be ≥ 1 and timeout_s > 0")
-        pins = self.placement != "local" and hasattr(os, "sched_getaffinity")  # local: nothing is pinned
-        cores = os.sched_getaffinity(0) if pins else set()
-        for name in ("target_core", "draft_core") if pins else ():
-            core = getattr(self, name)
-            if core is not None and core not in cores:
-                raise MirrorTrainError(f"{name}={core} is not a core this process may use ({sorted(cores)})")
-        resolve_device(self.target_device)
-        resolve_dtype(self.draft_dtype, self.draft_device)
-        fastpath.resolve(self.fast_path, self.draft_device)
-
-
-@dataclass
-class StepStats:
-    """One verification step. Times in ms; draft-side times come from the worker's clock."""
-
-    committed: int  # tokens this step added to the output (A + 1, or fewer at a stop)
-    accepted: int  # A: drafted tokens the target kept
-    window: int  # γ drafted tokens verified (0: a target-only step, or the prompt's prefill, the first step)
-    reused: bool | None = None  # mirror: the next window came from a rolled-out branch (None: no draft asked)
-    branches: int = 0
-    hit: bool | None = None  # mirror: c* among the proxy's top-κ at position A (online hit_κ)
-    omega: float | None = None  # mirror: the target's mass on the proxy's top-κ at position A (online Ω_κ)
-    prefix_ms: float = 0.0
-    head_ms: float = 0.0
-    send_ms: float = 0.0
-    suffix_ms: float = 0.0
-    wait_ms: float = 0.0  # from the verdict sent to the next window received
-    step_ms: float = 0.0
-    branch_ms: float = 0.0
-    fallback_ms: float = 0.0
-    draft_forwards: int = 0  # forwards of the fallback rollout that made the next window (0: reused or none)
-    source: str | None = None  # what the next window was drafted by: "model" or "ngram" (prompt lookup)
-    predicted_ms: float = 0.0
-
-
-@dataclass
-class Generation:
-    tokens: list[int]
-    steps: list[StepStats] = field(default_factory=list)
-    seconds: float = 0.0
-    method: str = "mirror"
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.seconds if self.seconds else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        """Committed tokens per target forward, the prompt's prefill (which commits the first token) included:
-        Spec-Bench's mean accepted tokens, as the transformers peers are counted; 1.0 for plain decoding."""
-        return len(self.tokens) / max(len(self.steps), 1)
-
-    @property
-    def accepted_per_window(self) -> float | None:
-        """Committed tokens per verified draft window (A + 1 a step): what the draft earns, without the prefill."""
-        windows = [s for s in self.steps if s.window]
-        return sum(s.committed for s in windows) / len(windows) if windows else None
-
-    @property
-    def reuse_rate(self) -> float | None:
-        asked = [s.reused for s in self.steps if s.reused is not None]
-        return sum(asked) / len(asked) if asked else None
-
-    def summary(self) -> dict:
-        return {
-            "method": self.method,
-            "tokens": len(self.tokens),
-            "steps": len(self.steps),
-            "seconds": self.seconds,
-            "tokens_per_s": self.tokens_per_s,
-            "mean_accepted": self.mean_accepted,
-            "reuse_rate": self.reuse_rate,
-        }
 
 
 class MirrorEngine:

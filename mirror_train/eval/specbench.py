@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from mirror_train.engine.engine import EngineConfig
+from mirror_train.engine.config import EngineConfig
 from mirror_train.errors import MirrorTrainError
 
 ENGINE_METHODS = ("ar", "sd", "mirror", "pld")
