@@ -147,8 +147,14 @@ def test_the_matmul_probe_catches_a_product_that_rounds_by_row_count(monkeypatch
     from mirror_train import attention
 
     model = tiny_model("llama")
-    assert attention.gemm_row_invariant(model) in (True, False)  # float32: whatever this machine's MKL does
     real = F.linear
+
+    def row_by_row(x, w, b=None):  # every row its own product: row-invariant by construction
+        rows = x.reshape(-1, x.shape[-1])
+        return torch.cat([real(rows[r : r + 1], w, b) for r in range(len(rows))]).reshape(*x.shape[:-1], -1)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", row_by_row)
+    assert attention.gemm_row_invariant(model)
 
     def rounds_by_rows(x, w, b=None):
         out = real(x, w, b)
@@ -179,3 +185,24 @@ def test_row_invariant_attention_leaves_other_shapes_to_sdpa():
     tree[2, k - 2] = False  # a sibling branch: not a plain window
     assert not _plain_causal_window(tree[None, None], q, k)
     assert not _plain_causal_window(causal[None, None].expand(2, 1, q, k), q, k)
+
+
+def test_the_fast_path_computes_the_same_function_and_a_copy_is_plain():
+    """fastpath.install swaps every Linear in place for oneDNN's prepacked one: the same logits (to float32
+    rounding), the same greedy tokens; a deep copy (a cast target) is a plain model again."""
+    import copy
+
+    from mirror_train import fastpath
+    from tests.conftest import tiny_model
+
+    model = tiny_model()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        plain = model(ids).logits
+        assert fastpath.install(model, "auto") in ("onednn", "none")
+        fast = model(ids).logits
+    torch.testing.assert_close(fast, plain, atol=1e-4, rtol=1e-4)
+    assert torch.equal(fast.argmax(-1), plain.argmax(-1))
+    assert not fastpath.installed(copy.deepcopy(model))
+    with pytest.raises(MirrorTrainError, match="fast_path"):
+        fastpath.resolve("turbo", "cpu")
