@@ -92,11 +92,15 @@ def main() -> None:
     ap.add_argument("--draft-cost", type=float, default=0.15, help="synthetic forward cost / target token time")
     ap.add_argument("--node-cost", type=float, default=0.03, help="synthetic cost per extra tree node / forward")
     ap.add_argument("--streams", type=int, default=0, help="synthetic draft: tokens per forward − 1")
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--kappa", type=int, default=4)
-    ap.add_argument("--budget", type=int, default=8)
-    ap.add_argument("--candidate-vocab", type=int, default=16384)
-    ap.add_argument("--head-placement", default="target", choices=["target", "draft"])
+    d = EngineConfig()  # the engine's defaults are this script's
+    ap.add_argument("--gamma", type=int, default=d.gamma)
+    ap.add_argument("--kappa", type=int, default=d.kappa)
+    ap.add_argument("--budget", type=int, default=d.branch_budget)
+    ap.add_argument("--candidate-vocab", type=int, default=d.candidate_vocab)
+    ap.add_argument("--head-placement", default=d.head_placement, choices=["target", "draft"])
+    ap.add_argument("--ngram-tokens", type=int, default=d.ngram_tokens, help="prompt lookup (part 2; 0: off)")
+    ap.add_argument("--adaptive-window", action=argparse.BooleanOptionalAction, default=d.adaptive_window)
+    ap.add_argument("--fast-path", default=d.fast_path, choices=["auto", "onednn", "none"])
     ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument(
         "--target-dtype",
@@ -120,6 +124,9 @@ def main() -> None:
         candidate_vocab=args.candidate_vocab,
         head_placement=args.head_placement,
         draft_dtype=args.draft_dtype,
+        ngram_tokens=args.ngram_tokens,
+        adaptive_window=args.adaptive_window,
+        fast_path=args.fast_path,
     )
     result = {"args": vars(args), "config": asdict(base), "prompts": [p.id for _, p in prompts]}
 
@@ -143,7 +150,8 @@ def main() -> None:
             acceptance=acceptance, forward_ms=forward_ms, node_ms=args.node_cost * forward_ms, num_streams=args.streams
         )
         start = time.perf_counter()
-        with MirrorEngine(target, args.proxy_head, synthetic, base) as engine:
+        alone = replace(base, ngram_tokens=0)  # the synthetic draft alone: no copied windows
+        with MirrorEngine(target, args.proxy_head, synthetic, alone) as engine:
             engine.generate(prompts[0][1].messages(), 8, method="mirror", reference=references[0])  # warm-up
             rows = run_methods(engine, prompts, references, ["ar", "sd", "mirror"], args.max_new_tokens)
         agg = {m: aggregate(rows, m) for m in ("ar", "sd", "mirror")}
@@ -186,11 +194,12 @@ def main() -> None:
     if args.draft:
         with MirrorEngine(target, args.proxy_head, args.draft, base) as engine:
             engine.generate(prompts[0][1].messages(), 8, method="mirror")  # warm-up
-            rows = run_methods(engine, prompts, references, ["ar", "sd", "mirror"], args.max_new_tokens)
+            methods = ["ar", "sd", "mirror"] + (["pld"] if args.ngram_tokens else [])
+            rows = run_methods(engine, prompts, references, methods, args.max_new_tokens)
         lens = replace(base, candidate_vocab=args.candidate_vocab)
         with MirrorEngine(target, None, args.draft, lens) as engine:
             lens_rows = run_methods(engine, prompts, references, ["mirror"], args.max_new_tokens)
-        agg = {m: aggregate(rows, m) for m in ("ar", "sd", "mirror")} | {"mirror_lens": aggregate(lens_rows, "mirror")}
+        agg = {m: aggregate(rows, m) for m in methods} | {"mirror_lens": aggregate(lens_rows, "mirror")}
         result["trained"] = {"methods": agg, "rows": rows + lens_rows}
         print(f"\n### Trained draft ({args.draft}) and proxy head ({args.proxy_head or 'logit lens'})\n")
         print(
