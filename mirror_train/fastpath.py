@@ -36,16 +36,44 @@ def resolve(kind: str, device: torch.device | str) -> str:
 
 def install(model: nn.Module, kind: str = "auto") -> str:
     """Swap `model`'s linear layers for the fast path in place (idempotent); returns the kind installed. Install it
-    on the model as served: a later cast or copy computes on the plain path."""
+    on the model as served: a later cast or copy computes on the plain path.
+
+    Which path is faster depends on the rows of a call and on the machine (measured on an AMX Xeon: oneDNN 24% slower
+    for one row, 10–25% faster from 4 rows on, docs/engine.md), so each layer takes the prepacked path from the
+    row count measured here to win for that layer's shape, and torch's own path below it."""
     device = next(model.parameters()).device
     kind = resolve(kind, device)
     if kind == "none":
         return kind
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = PackedLinear
-            module.repack()
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    if not linears:
+        return kind
+    crossovers: dict[tuple, float] = {}
+    for module in linears:
+        module.__class__ = PackedLinear
+        module.repack()
+        shape = (tuple(module.weight.shape), module.bias is not None, module.weight.dtype)
+        if shape not in crossovers:  # a Llama has ~6 shapes of linear layer
+            crossovers[shape] = _crossover(module)
+        module.min_rows = crossovers[shape]
     return kind
+
+
+def _crossover(linear: PackedLinear, rows=(1, 2, 4, 8, 16)) -> float:
+    """The fewest rows from which the prepacked path is faster than torch's own on `linear` (inf: never)."""
+    from mirror_train.timing import median_ms
+
+    faster = []
+    with torch.inference_mode():
+        for n in rows:
+            x = torch.randn(1, n, linear.in_features, dtype=linear.weight.dtype)
+            plain = median_ms(lambda x=x: nn.functional.linear(x, linear.weight, linear.bias), repeats=15, warmup=3)
+            packed = median_ms(lambda x=x: linear.packed(x), repeats=15, warmup=3)
+            faster.append(packed < plain)
+    for i, n in enumerate(rows):
+        if all(faster[i:]):
+            return n
+    return float("inf")
 
 
 def installed(model: nn.Module) -> bool:
@@ -53,18 +81,25 @@ def installed(model: nn.Module) -> bool:
 
 
 class PackedLinear(nn.Linear):
-    """An nn.Linear whose inference forward reads a oneDNN-prepacked copy of its weight (same parameters)."""
+    """An nn.Linear whose inference forward reads a oneDNN-prepacked copy of its weight (same parameters) for calls
+    of at least `min_rows` rows."""
+
+    min_rows: float = 1
 
     def repack(self) -> None:
         self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         self._packed_dtype = self.weight.dtype
 
+    def packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.__dict__.get("_packed")
         plain = packed is None or x.dtype != self._packed_dtype or x.device.type != "cpu"
+        plain = plain or x.numel() < self.min_rows * self.in_features
         if plain or (torch.is_grad_enabled() and self.weight.requires_grad):  # training, a cast copy: the plain path
             return nn.functional.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        return self.packed(x)
 
     def __deepcopy__(self, memo):
         """A copy (`Target.cast`) is a plain nn.Linear: the packed weight belongs to the model as served."""
@@ -73,6 +108,6 @@ class PackedLinear(nn.Linear):
         clone = nn.Linear.__new__(nn.Linear)
         memo[id(self)] = clone
         for key, value in self.__dict__.items():
-            if key not in ("_packed", "_packed_dtype"):
+            if key not in ("_packed", "_packed_dtype", "min_rows"):
                 clone.__dict__[key] = copy.deepcopy(value, memo)
         return clone

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from mirror_train.engine.ngram import NgramIndex
-from mirror_train.engine.window import Calibration, best_length, expected_committed, fit_costs, prob_key
+from mirror_train.engine.window import (
+    Calibration,
+    best_length,
+    expected_committed,
+    fit_costs,
+    prob_key,
+    rollout_pays,
+)
 
 
 def test_ngram_proposes_what_followed_the_longest_latest_match():
@@ -49,6 +56,15 @@ def test_calibration_learns_rates_by_key_and_shrinks_sparse_keys():
 
 def test_fit_costs_is_relative_to_a_one_token_step():
     samples = [(0, 60.0), (4, 100.0), (0, 62.0), (4, 98.0)]
-    costs = fit_costs(samples, 4)
-    assert costs[0] == 1.0 and costs[4] == pytest.approx(99 / 61) and len(costs) == 5
+    costs, step_ms = fit_costs(samples, 4)
+    assert costs[0] == 1.0 and costs[4] == pytest.approx(99 / 61) and len(costs) == 5 and step_ms == 61.0
     assert fit_costs([(0, 60.0), (0, 61.0)], 4) is None
+
+
+def test_a_rollout_pays_only_when_its_tokens_outweigh_its_time():
+    """A serial rollout costs the target its passes' time: at acceptance 0.2 and a pass of 0.25 steps no window
+    pays against a plain step; at 0.8 one does; against a copied window promising 1.5 a step, 0.5 does not."""
+    flat = [1.0, 1.05, 1.1, 1.15, 1.2]
+    assert not rollout_pays(0.2, flat, 0.25, 3, 4, alternative=1.0)
+    assert rollout_pays(0.8, flat, 0.25, 3, 4, alternative=1.0)
+    assert not rollout_pays(0.5, flat, 0.25, 3, 4, alternative=1.5)

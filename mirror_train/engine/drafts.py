@@ -5,6 +5,7 @@ Both keep the committed context in a cache of their own and answer the same thre
     rollout(spine, branches, γ, features)   γ tokens per branch, a `Rollout` each (see
                                             `MirrorDrafterForCausalLM.rollout_tree`)
     keep(n)                                 commit the first n spine nodes of the last rollout, drop every other node
+    fed()                                   how many nodes the last rollout fed (what keep can commit)
 `features` are what the fed tokens read (a feature-conditioned draft; others ignore them): slot → one row per fed
 token, already paired by the server; `widths` (slot → width) says which slots the draft reads.
 """
@@ -43,6 +44,7 @@ class ModelDraft:
             states = self._features(features)
             states = None if states is None else {slot: f.unsqueeze(0) for slot, f in states.items()}
             self.model(ids, cache=self.cache, num_streams=0, logits_index=last, features=states)  # K/V only
+        self.committed = self.cache.get_seq_length()
 
     def rollout(self, spine: Sequence[int], branches: Sequence[tuple[int, int | None]], gamma: int, features=None):
         self.committed = self.cache.get_seq_length()  # every rollout follows a `keep` (or `reset`)
@@ -59,6 +61,10 @@ class ModelDraft:
 
     def keep(self, n: int) -> None:
         keep_cache_path(self.cache, self.committed, range(n))
+        self.committed = self.cache.get_seq_length()
+
+    def fed(self) -> int:
+        return self.cache.get_seq_length() - self.committed
 
 
 @dataclass
@@ -132,6 +138,9 @@ class SyntheticDraft:
     def keep(self, n: int) -> None:
         self.context += self.spine[:n]
         self.spine = []
+
+    def fed(self) -> int:
+        return len(self.spine)
 
 
 def _sleep_until(deadline: float) -> None:

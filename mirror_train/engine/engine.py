@@ -91,7 +91,7 @@ class MirrorEngine:
         self._prefix_ms: float | None = None  # the target's prefix time per window (EMA): the draft's look-ahead
         self._awaiting = False  # a request is out whose reply has not been read
         self._pld: LocalDraft | None = None  # the prompt-lookup "draft" of method pld, in-process
-        self._costs: list[float] | None = None  # the target's relative verification cost by window length
+        self._costs: tuple[list[float], float] | None = None  # relative cost by window length, one-token ms
         self._verify_samples: deque[tuple[int, float]] = deque(maxlen=64)  # (window length, target ms) per step
 
     # --- set-up ----------------------------------------------------------------------------------------------
@@ -342,7 +342,8 @@ class MirrorEngine:
         if seq.channel is not None:
             self._receive(seq)  # its window after the prompt: the prefill has decided that token
             if not seq.done:
-                verdict = Verdict(0, first, _wire({slot: states[slot][-1:] for slot in slots}), None, self._costs)
+                first_states = _wire({slot: states[slot][-1:] for slot in slots})
+                verdict = Verdict(0, first, first_states, None, *self._cost_fields())
                 self._send(seq, verdict)
                 reply = self._receive(seq)
                 seq.window = list(reply.tokens) if reply is not None else []
@@ -360,7 +361,7 @@ class MirrorEngine:
         state = target.prefix(torch.tensor([[seq.pending] + window], device=target.device), seq.cache, self.exit_layer)
         t1 = t2 = t3 = time.perf_counter()
         asked = False
-        if seq.method == "mirror" and seq.channel is not None and window:
+        if seq.method == "mirror" and seq.channel is not None:  # an empty window too: branches for c* alone
             exit_states = {"exit": state.hidden[0]} if "exit" in slots or cfg.head_placement == "draft" else None
             candidates = None
             if cfg.head_placement == "target":
@@ -386,8 +387,8 @@ class MirrorEngine:
             # the committed positions' states the draft reads and has not had: ℓe ones unless a Branches brought
             # them, final ones always
             sent = {slot: committed[slot][: accepted + 1] for slot in slots if slot == "final" or not asked}
-            costs = self._current_costs()
-            if self._send(seq, Verdict(accepted, correction, _wire(sent), self._prefix_ms, costs)):
+            verdict = Verdict(accepted, correction, _wire(sent), self._prefix_ms, *self._cost_fields())
+            if self._send(seq, verdict):
                 reply = self._receive(seq)
                 if reply is not None:
                     seq.window, info = list(reply.tokens), reply.info
@@ -427,7 +428,7 @@ class MirrorEngine:
     # --- the channel, faults, costs -------------------------------------------------------------------------------
     def _start_message(self, seq: _Sequence, states) -> Start:
         look_ahead = seq.method == "mirror" and self.config.look_ahead
-        return Start(seq.ids, self.config.gamma, seq.reference, _wire(states), look_ahead, self._costs)
+        return Start(seq.ids, self.config.gamma, seq.reference, _wire(states), look_ahead, *self._cost_fields())
 
     def _send(self, seq: _Sequence, msg) -> bool:
         """Send to the sequence's draft; a draft that is gone is a fault (generation goes on without it)."""
@@ -466,19 +467,19 @@ class MirrorEngine:
             self._pld = LocalDraft(spec)
         return self._pld
 
-    def _current_costs(self) -> list[float] | None:
-        """The target's relative verification cost by window length: fitted to the steps measured so far, else the
-        start-up measurement."""
+    def _cost_fields(self) -> tuple[list[float] | None, float | None]:
+        """(costs, step_ms) for the draft side: the target's relative verification cost by window length and its
+        one-token step in ms, fitted to the steps measured so far, else the start-up measurement."""
         if not self.config.adaptive_window:
-            return None
-        fitted = fit_costs(self._verify_samples, self._widest())
-        return fitted if fitted is not None else self._costs
+            return None, None
+        fitted = fit_costs(self._verify_samples, self._widest()) or self._costs
+        return fitted if fitted is not None else (None, None)
 
     def _widest(self) -> int:
         return max(self.config.gamma, self.config.ngram_tokens)
 
     @torch.inference_mode()
-    def _measure_costs(self, context: int = 128, repeats: int = 3) -> list[float]:
+    def _measure_costs(self, context: int = 128, repeats: int = 3) -> tuple[list[float], float]:
         """The target's verification cost by window length, measured once on a dummy context (random tokens), as
         the relative median step time of windows of 0, 1, 2, 4, ... drafted tokens; every step then refines it."""
         target = self.target

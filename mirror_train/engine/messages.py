@@ -40,6 +40,7 @@ class Start:
     states: States | None = None  # the prompt's tokens but the last (the target has not finished the last)
     look_ahead: bool = False  # Mirror-SD: draft on past each window while the target runs its prefix
     costs: list[float] | None = None  # the target's verification cost by window length, relative (window.py)
+    step_ms: float | None = None  # the target's one-token step: what a draft's rollout time is weighed against
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Verdict:
     states: States | None = None
     prefix_ms: float | None = None  # the target's prefix time: what the draft's look-ahead must fit
     costs: list[float] | None = None  # the target's verification cost by window length, as measured so far
+    step_ms: float | None = None  # the target's one-token step, as measured so far
 
 
 @dataclass

@@ -36,9 +36,10 @@ from mirror_train.engine.branches import fit_budget, rank_branches, rollout_line
 from mirror_train.engine.messages import Branches, Ping, Pong, Start, Verdict, Window
 from mirror_train.engine.ngram import NgramIndex
 from mirror_train.engine.rollout import Rollout
-from mirror_train.engine.window import Calibration, best_length, prob_key
+from mirror_train.engine.window import Calibration, best_length, prob_key, rollout_pays
 
 TARGET_SLOTS = ("exit", "final")
+EXPLORE = 8  # a skipped serial rollout is tried anyway after this many skips in a row (`_rollout_pays`)
 
 
 class DraftServer:
@@ -63,6 +64,8 @@ class DraftServer:
         self.adaptive_window = adaptive_window
         self.calibration = Calibration()  # P(kept) of a window token, by source and key (window.py)
         self.costs: list[float] = []  # the target's relative verification cost by window length (from the engine)
+        self.step_ms: float | None = None  # the target's one-token step (from the engine)
+        self.skipped = 0  # fallback rollouts skipped in a row as not worth their time (`_fallback`)
         self.window_keys: list = []  # the calibration keys of the window being verified
         self.head = head
         self.kappa = kappa
@@ -113,6 +116,7 @@ class DraftServer:
     def _start(self, msg: Start):
         self.gamma = int(msg.gamma)
         self.costs = list(msg.costs or self.costs)
+        self.step_ms = msg.step_ms or self.step_ms
         if self.ngram is not None:
             self.ngram.reset(msg.prompt)
         self.look_ahead, self.ahead = bool(msg.look_ahead), None
@@ -198,7 +202,7 @@ class DraftServer:
         if self.ngram is not None:
             self.ngram.extend(committed)
         if msg.costs:
-            self.costs = list(msg.costs)
+            self.costs, self.step_ms = list(msg.costs), msg.step_ms
         self.calibration.update(self.window_keys, accepted)
         info = {"branches": self.num_branches, "branch_ms": self.branch_ms if self.rolled_spine else 0.0}
         if self.window_p is not None:  # learn the acceptance rate; report the candidates where the window stopped
@@ -223,15 +227,19 @@ class DraftServer:
 
     # --- helpers ---------------------------------------------------------------------------------------------
     def _keep(self, n: int) -> None:
+        """Commit the first n nodes the last rollout fed (fewer when it fed fewer: a skipped rollout fed none)."""
         if self.backend is not None:
+            n = min(n, self.backend.fed())
             self.backend.keep(n)
         self.cached += n
 
     def _fallback(self, info: dict):
-        """Roll out the next window serially from the committed context; reply first, prune the cache after."""
+        """Roll out the next window serially from the committed context (unless that is not worth its time: then a
+        copied window or a plain step); reply first, prune the cache after."""
         committed = len(self.tokens) - self.cached
         start = time.perf_counter()
-        drafted = self._serial(Rollout([], [], 0, [], None), self.gamma)
+        nothing = Rollout([], [], 0, [], None)
+        drafted = self._serial(nothing, self.gamma) if self._rollout_pays() else nothing
         info = info | {"fallback_ms": (time.perf_counter() - start) * 1000, "forwards": drafted.num_forwards}
         return self._offer(drafted, info), lambda: self._keep(committed - 1)
 
@@ -245,16 +253,47 @@ class DraftServer:
         info = info | {"reused": True, "fallback_ms": ms, "forwards": rest.num_forwards}
         return self._offer(whole, info), lambda: self._keep(committed - 1)
 
+    def _rollout_pays(self) -> bool:
+        """Whether a serial rollout (the target waits for it) promises more committed tokens per unit of time than
+        what costs nothing: a copied window, or a plain step (window.rollout_pays, at the model's mean acceptance so
+        far). Every `EXPLORE`-th skip rolls out anyway, so that the model's acceptance keeps being measured."""
+        line = rollout_line(self.samples)
+        if self.backend is None:
+            return False
+        if not self.adaptive_window or line is None or not self.step_ms or not self.costs:
+            return True
+        if self.skipped >= EXPLORE:
+            self.skipped = 0
+            return True
+        streams = getattr(self.backend, "num_streams", 0)
+        passes = -(-self.gamma // (1 + streams))
+        pass_cost = (line[0] + line[1]) / passes / self.step_ms  # one branch's pass, in target steps
+        accept = self.calibration.overall(lambda k: k[0] == "model")
+        alternative = max(1.0, self._copy()[1])
+        if rollout_pays(accept, self.costs, pass_cost, 1 + streams, self.gamma, alternative):
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        return False
+
+    def _copy(self, first: int | None = None) -> tuple[tuple, float]:
+        """The copied window (tokens, keys) on offer and its rate E(w)/c(w) at its best length (0.0: none)."""
+        if self.ngram is None:
+            return ((), ()), 0.0
+        copy, n = self.ngram.propose(self.ngram_tokens)
+        if not copy:
+            return ((), ()), 0.0
+        keys = [("ngram", min(n, 3), first == copy[0])] * len(copy)
+        return (copy, keys), best_length(self.calibration.predict(keys), self.costs)[1]
+
     def _offer(self, drafted: Rollout, info: dict) -> Window:
         """The next window: the model's drafted tokens or a copy of the committed text, whichever promises more
         committed tokens per unit of verification time, cut to its best length (module docstring)."""
         keys = [("model", prob_key(math.exp(lp))) for lp in drafted.logprobs]
         options = [(drafted.tokens, drafted.pairs, keys, "model")]
-        if self.ngram is not None:
-            copy, n = self.ngram.propose(self.ngram_tokens)
-            if copy:
-                agree = bool(drafted.tokens) and drafted.tokens[0] == copy[0]
-                options.append((copy, None, [("ngram", min(n, 3), agree)] * len(copy), "ngram"))
+        (copy, copy_keys), _ = self._copy(drafted.tokens[0] if drafted.tokens else None)
+        if copy:
+            options.append((copy, None, copy_keys, "ngram"))
         best = None
         for tokens, pairs, keys, source in options:
             if self.adaptive_window:

@@ -59,9 +59,11 @@ class Calibration:
         self.kept: dict = {}
         self.seen: dict = {}
 
-    def overall(self) -> float:
-        total = sum(self.seen.values())
-        return (sum(self.kept.values()) + self.prior * self.initial) / (total + self.prior)
+    def overall(self, match=None) -> float:
+        """The rate over every key (or the keys `match` accepts), shrunk to `initial` with `prior` pseudo-counts."""
+        keys = [k for k in self.seen if match is None or match(k)]
+        total = sum(self.seen[k] for k in keys)
+        return (sum(self.kept[k] for k in keys) + self.prior * self.initial) / (total + self.prior)
 
     def predict(self, keys: Sequence) -> list[float]:
         overall = self.overall()
@@ -79,9 +81,9 @@ def prob_key(p: float, bins: int = 10) -> int:
     return min(int(p * bins), bins - 1)
 
 
-def fit_costs(samples: Sequence[tuple[int, float]], widths: int) -> list[float] | None:
-    """Relative verification costs c(0..widths) from (w, ms) measurements: a least-squares line ms = a + b·w,
-    divided by its value at w = 0 (None with fewer than two distinct widths measured)."""
+def fit_costs(samples: Sequence[tuple[int, float]], widths: int) -> tuple[list[float], float] | None:
+    """Relative verification costs c(0..widths) from (w, ms) measurements, and the ms of a one-token step: a
+    least-squares line ms = a + b·w, divided by its value at w = 0 (None with fewer than two widths measured)."""
     if len({w for w, _ in samples}) < 2:
         return None
     n = len(samples)
@@ -90,4 +92,17 @@ def fit_costs(samples: Sequence[tuple[int, float]], widths: int) -> list[float] 
     var = sum((w - w_mean) ** 2 for w, _ in samples)
     slope = max(sum((w - w_mean) * (t - t_mean) for w, t in samples) / var, 0.0)
     base = max(t_mean - slope * w_mean, 1e-6)
-    return [1.0 + slope * w / base for w in range(widths + 1)]
+    return [1.0 + slope * w / base for w in range(widths + 1)], base
+
+
+def rollout_pays(accept: float, costs: Sequence[float], pass_cost: float, tokens_per_pass: int, gamma: int,
+                 alternative: float) -> bool:
+    """Whether drafting a window with the model is worth its time before the target can verify it (serial SD, a
+    Mirror-SD fallback): the best E(w) / (c(w) + passes(w) · pass_cost) over w = 1..γ at the model's mean per-token
+    acceptance `accept`, against the rate of what costs nothing (`alternative`: a copied window, or a plain step's
+    1.0). pass_cost: one rollout pass in units of a one-token target step."""
+    best = 0.0
+    for w in range(1, gamma + 1):
+        passes = -(-w // tokens_per_pass)
+        best = max(best, expected_committed([accept] * w)[-1] / (_cost(costs, w) + passes * pass_cost))
+    return best > alternative
