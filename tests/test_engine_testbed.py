@@ -103,7 +103,9 @@ def test_mirror_in_a_worker_process_reproduces_the_target_on_30_prompts(testbed_
     rejects and recovers through a rolled-out branch or the fallback), the draft in its own process. The engine's
     target-only path is the second reference, on every third prompt (all 30 would cost another ~25 s)."""
     assert len(cases) == 3 * PER_SOURCE
-    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=4, placement="process", **ANY_CORE)
+    # whole windows every step (no copies, no cut windows): the draft's answer to every step is visible
+    whole = {"ngram_tokens": 0, "adaptive_window": False}
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=4, placement="process", **ANY_CORE, **whole)
     with MirrorEngine(testbed_target, None, untrained_draft, cfg) as engine:
         check(engine, cases[::3], "ar")
         generations = check(engine, cases, "mirror")
