@@ -179,7 +179,9 @@ def make_accelerator(
     "auto" is bf16 where bf16 matmuls are fast on the device accelerate picks, else none."""
     from accelerate import Accelerator
 
-    if mixed_precision == "auto":
+    if mixed_precision == "auto" and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        mixed_precision = None  # DeepSpeed casts the model itself, as its config file says
+    elif mixed_precision == "auto":
         from mirror_train.devices import fast_bf16
 
         mixed_precision = "bf16" if fast_bf16("cuda" if torch.cuda.is_available() else "cpu") else "no"

@@ -153,7 +153,7 @@ def test_selfdistill_resumes_and_features_match_the_target(tiny_target, tmp_path
     assert (cache.topk_ids[lo:hi] == top.indices.numpy()).mean() > 0.99  # ties may swap in float16
     assert cache.is_answer[lo:hi].sum() == len(seqs[s].ids) - seqs[s].answer_start
     assert cache.token_ids[lo:hi].tolist() == seqs[s].ids[:-1]
-    with pytest.raises(MirrorTrainError, match="not ℓe=2"):
+    with pytest.raises(MirrorTrainError, match="not layer 2"):
         FeatureCache(tmp_path / "feat", 2)
 
 
