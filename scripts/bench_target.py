@@ -114,8 +114,7 @@ def main() -> None:
     print("| new tokens | default ms | fast ms | fast / floor | fast / one-token fast |\n|---|---|---|---|---|")
     for w in WIDTHS:
         print(
-            f"| {w} | {default[w]:.1f} | {fast[w]:.1f} | {fast[w] / result['floor_ms']:.2f} | "
-            f"{fast[w] / fast[1]:.2f} |"
+            f"| {w} | {default[w]:.1f} | {fast[w]:.1f} | {fast[w] / result['floor_ms']:.2f} | {fast[w] / fast[1]:.2f} |"
         )
     if args.draft:
         print(f"draft forward (1 node, streams): {result['draft_ms']} ms = {result['draft_over_step']} of a step")

@@ -242,8 +242,13 @@ def test_sampled_rollout_is_reproducible_and_reports_its_logprobs(llama):
     draft = drafter(llama)
     context = tokens(5)
     runs = [
-        rollout(draft,
-            prefill(draft, context), [[1], [2]], gamma=4, temperature=0.8, generator=torch.Generator().manual_seed(3)
+        rollout(
+            draft,
+            prefill(draft, context),
+            [[1], [2]],
+            gamma=4,
+            temperature=0.8,
+            generator=torch.Generator().manual_seed(3),
         )
         for _ in range(2)
     ]
@@ -518,9 +523,12 @@ def test_a_training_time_test_step_equals_the_served_rollout(llama, slots, answe
             anchor = p - k
             cache = draft.new_cache()
             with torch.no_grad():
-                out = draft(x[:, : anchor + 1], cache=cache, num_streams=0, features={
-                    slot: f[:, : anchor + 1] for slot, f in states.items()
-                })
+                out = draft(
+                    x[:, : anchor + 1],
+                    cache=cache,
+                    num_streams=0,
+                    features={slot: f[:, : anchor + 1] for slot, f in states.items()},
+                )
                 own = out.hidden[:, -1:]  # the state that predicted x[anchor + 1]
                 for j in range(1, k + 1):
                     q = anchor + j

@@ -399,7 +399,7 @@ def test_push_with_injected_api_and_redacted_errors(artifact):
 
 
 def test_an_artifact_for_the_testbed_names_the_upstream_model_and_its_weights():
-    """"testbed" means nothing on the Hub: the signature and the card name SmolLM2-135M-Instruct and the GGUF's hash."""
+    """The word testbed means nothing on the Hub: signature and card name SmolLM2-135M-Instruct and the GGUF hash."""
     from mirror_train.export import model_card
     from mirror_train.target import Target
     from mirror_train.testbed import GGUF_SHA256

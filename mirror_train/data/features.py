@@ -205,7 +205,10 @@ def _time_boxed(target, seqs: list[TokenSequence], out: Path, cfg: FeatureCacheC
     kept = sorted(kept) if len(kept) < len(seqs) else list(range(len(seqs)))
     if len(kept) < len(seqs):
         log.warning(
-            "caching %d of %d sequences: %.0f positions a second fit %s minutes", len(kept), len(seqs), max(rates),
+            "caching %d of %d sequences: %.0f positions a second fit %s minutes",
+            len(kept),
+            len(seqs),
+            max(rates),
             cfg.max_minutes,
         )
     selection.write_text(json.dumps({"kept": kept, "positions_per_s": round(max(rates), 1)}))

@@ -85,5 +85,3 @@ def training_positions(cache: FeatureCache, train_on: str, answer_repeat: int = 
     if len(positions) == 0:
         raise MirrorTrainError(f"{cache.path} has no {train_on} positions to train on")
     return positions
-
-

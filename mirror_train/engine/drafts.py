@@ -50,7 +50,12 @@ class ModelDraft:
         self.committed = self.cache.get_seq_length()  # every rollout follows a `keep` (or `reset`)
         results = rollout_tree(
             self.model,
-            self.cache, spine, branches, gamma, use_streams=self.use_streams, features=self._features(features)
+            self.cache,
+            spine,
+            branches,
+            gamma,
+            use_streams=self.use_streams,
+            features=self._features(features),
         )
         return results
 

@@ -70,6 +70,7 @@ def rollout(
         chains.append(chain)
     return _rollout(draft, cache, parents, tokens, chains, gamma, temperature, generator, use_streams, features)
 
+
 @torch.no_grad()
 def rollout_tree(
     draft: MirrorDrafterForCausalLM,
@@ -110,6 +111,7 @@ def rollout_tree(
             chain.append(len(parents) - 1)
         chains.append(chain)
     return _rollout(draft, cache, parents, tokens, chains, gamma, temperature, generator, use_streams, features)
+
 
 def _rollout(
     draft: MirrorDrafterForCausalLM,

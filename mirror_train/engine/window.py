@@ -95,8 +95,9 @@ def fit_costs(samples: Sequence[tuple[int, float]], widths: int) -> tuple[list[f
     return [1.0 + slope * w / base for w in range(widths + 1)], base
 
 
-def rollout_pays(accept: float, costs: Sequence[float], pass_cost: float, tokens_per_pass: int, gamma: int,
-                 alternative: float) -> bool:
+def rollout_pays(
+    accept: float, costs: Sequence[float], pass_cost: float, tokens_per_pass: int, gamma: int, alternative: float
+) -> bool:
     """Whether drafting a window with the model is worth its time before the target can verify it (serial SD, a
     Mirror-SD fallback): the best E(w) / (c(w) + passes(w) · pass_cost) over w = 1..γ at the model's mean per-token
     acceptance `accept`, against the rate of what costs nothing (`alternative`: a copied window, or a plain step's
