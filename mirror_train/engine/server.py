@@ -214,7 +214,7 @@ class DraftServer:
             # the pending tokens, and the accepted window unless it must be fed again as committed tokens
             keep = self.rolled_spine + (0 if self.refeed else accepted)
             self.rolled, self.rolled_spine, self.num_branches = {}, 0, 0
-            if hit is not None and len(hit.tokens) < self.gamma:
+            if hit is not None and len(hit.tokens) < self.gamma and self._rollout_pays():  # worth completing
                 self._keep(keep)
                 reply, _ = self._extend(hit, info)
                 return reply, self._then_look_ahead(len(self.tokens) - self.cached - 1, msg.prefix_ms)
