@@ -318,11 +318,11 @@ def drafter_loss(model, batch: dict[str, torch.Tensor], cfg: DrafterTrainConfig)
     argmax = ids[..., 0]  # (1, N): the target's choice of the token after each position
     out = outs[0]
     ce = lookahead_ce_loss(out.logits, out.stream_logits, argmax, cfg.ce_weight, cfg.stream_weight, segments)
-    loss, parts = ce, {"ce": ce.item()}
+    loss, parts = ce, {"ce": ce.detach()}
     if cfg.kl_weight:
         kl = _draft_vocab_kl(out.logits, ids, batch["topk_logp"], real)
         loss = loss + cfg.kl_weight * kl
-        parts["kl"] = kl.item()
+        parts["kl"] = kl.detach()
     if steps:
         ttt = loss.new_zeros(())
         for k, out in enumerate(outs[1:], start=1):
@@ -335,8 +335,8 @@ def drafter_loss(model, batch: dict[str, torch.Tensor], cfg: DrafterTrainConfig)
                 step = step + cfg.kl_weight * kl
             ttt = ttt + cfg.ttt_decay**k * step
         loss = loss + ttt
-        parts["ttt"] = ttt.item()
-    return loss, parts | {"loss": loss.item()}
+        parts["ttt"] = ttt.detach()
+    return loss, parts | {"loss": loss.detach()}
 
 
 def _draft_vocab_kl(

@@ -52,11 +52,11 @@ def proxy_loss(head, batch: dict[str, torch.Tensor], cfg: ProxyTrainConfig, kapp
     """KL to the target's top-k distribution, plus the optional top-κ hinge; returns (loss, logged parts)."""
     logits, batch = _head_logits(head, batch)
     kl = topk_kl_loss(logits, batch["topk_ids"], batch["topk_logp"], cfg.temperature).mean()
-    loss, parts = kl, {"kl": kl.item()}
+    loss, parts = kl, {"kl": kl.detach()}
     if cfg.margin_weight:
         hinge = topk_margin_loss(logits, batch["topk_ids"][:, 0], kappa, cfg.margin).mean()
         loss = loss + cfg.margin_weight * hinge
-        parts["hinge"] = hinge.item()
+        parts["hinge"] = hinge.detach()
     return loss, parts
 
 
@@ -76,12 +76,13 @@ def evaluate(head, cache: FeatureCache, kappas=(1, 4, 8)) -> dict[str, float]:
     """Held-out Ω_κ (lower bound from top-k labels), hit_κ, top-1 and KL over the cache's answer positions,
     each sequence run whole so that heads attending over the context see all of it."""
     reports, kl_sum, n = [], 0.0, 0
+    device = next(head.parameters()).device
     for s in range(cache.num_sequences):
         lo, hi = int(cache.offsets[s]), int(cache.offsets[s + 1])
-        answers = torch.from_numpy(np.array(cache.is_answer[lo:hi]))  # a copy: memory maps are read-only
+        answers = torch.from_numpy(np.array(cache.is_answer[lo:hi])).to(device)  # a copy: memory maps are read-only
         if not answers.any():
             continue
-        logits, labels = _head_logits(head, cache.windows([(lo, hi)]))
+        logits, labels = _head_logits(head, {k: v.to(device) for k, v in cache.windows([(lo, hi)]).items()})
         logits, labels = logits[answers], {k: v[answers] for k, v in labels.items()}
         reports.append(topk_label_report(logits, labels["topk_ids"], labels["topk_logp"], kappas))
         kl_sum += topk_kl_loss(logits, labels["topk_ids"], labels["topk_logp"]).sum().item()

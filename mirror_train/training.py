@@ -259,7 +259,8 @@ def train_loop(
     """The loop both recipes run: LR from the budget, a step-determined batch, backward, clip, step, log,
     held-out evaluation every `eval_every` steps, checkpoints every `save_every` and at the end. Returns the last step.
 
-    `loss_fn(model, batch) -> (loss, parts)`; `evaluate_fn() -> metrics` (on the main process's unwrapped model).
+    `loss_fn(model, batch) -> (loss, parts)` (parts: detached scalar tensors, read at the logging interval only:
+    reading one waits for the device); `evaluate_fn() -> metrics` (on the main process's unwrapped model).
     """
     from tqdm.auto import tqdm
 
@@ -277,7 +278,8 @@ def train_loop(
         step += 1
         bar.update(1)
         if step % log_every == 0:
-            accelerator.log({f"train/{k}": v for k, v in parts.items()} | {"lr": lr}, step=step)
+            # parts are tensors until here: reading one waits for the device, so only at the logging interval
+            accelerator.log({f"train/{k}": float(v) for k, v in parts.items()} | {"lr": lr}, step=step)
         finished = all_agree(accelerator, budget.done(step))  # time budgets: every rank stops at the same step
         if step % eval_every == 0 and not finished:
             metrics = evaluate_fn()

@@ -41,7 +41,7 @@ def main(cfg: DrafterRunConfig) -> None:
     accelerator = make_accelerator(out, cfg.log, config_to_dict(cfg), cfg.train.mixed_precision)
 
     # --- setup: the target, the shared data (main process builds; the others wait), the draft --------------------
-    target = Target.load(cfg.target)
+    target = Target.load(cfg.target, device=accelerator.device)  # the data stages run where training does
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
         prepare_data(cfg.data, target, data_layers(cfg, target)[1])

@@ -33,7 +33,7 @@ def main(cfg: ProxyRunConfig) -> None:
     accelerator = make_accelerator(out, cfg.log, config_to_dict(cfg), cfg.train.mixed_precision)
 
     # --- setup: the target, its data (main process builds; the others wait), the head -------------------------
-    target = Target.load(cfg.target)
+    target = Target.load(cfg.target, device=accelerator.device)  # the data stages run where training does
     layers = cached_layers(cfg.data, [target.check_exit_layer(cfg.head.exit_layer)])
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")

@@ -57,7 +57,7 @@ def build_server(spec: dict):
         backend = ModelDraft(model, use_streams=spec.get("use_streams", True))
     head = None
     if spec.get("head"):  # the proxy head runs here: rebuild it from its bundle (engine.py, `_head_bundle`)
-        bundle = torch.load(spec["head"], weights_only=False)
+        bundle = torch.load(spec["head"], weights_only=False, map_location=spec.get("device", "cpu"))
         head = bundle["end"].to(dtype).head(bundle["cfg"], bundle["state"], bundle["vocab_ids"]).to(dtype)
     return DraftServer(
         backend,
