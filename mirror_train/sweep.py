@@ -25,14 +25,14 @@ from mirror_train.target import Target
 
 @dataclass
 class SweepConfig:
-    model: str = "testbed"
+    model: str = "testbed"  # testbed, a local HF directory or a Hub id
     prompts: str | None = None  # JSONL; default: the shared training prompts
-    num_prompts: int = 32
-    max_new_tokens: int = 96
-    batch_size: int = 64
+    num_prompts: int = 32  # a seeded sample of the prompts, answered by the model itself
+    max_new_tokens: int = 96  # per answer
+    batch_size: int = 64  # prompts generated at once (long prompts get smaller batches)
     layers: str = "all"  # "all" (1..N-1) or a comma list such as "6,10,15"
-    kappas: str = "1,4,8"
-    seed: int = 0
+    kappas: str = "1,4,8"  # the κ of Ω_κ and hit_κ, comma-separated
+    seed: int = 0  # of the prompt sample
     out: str | None = None  # JSON path for the results
 
 

@@ -39,12 +39,12 @@ class SelfDistillConfig:
     prompts: str | None = None  # a JSONL path, or a `datasets` name (e.g. org/name); default: shared prompts
     split: str = "train"  # for `datasets` sources
     num_prompts: int | None = 256  # a seeded sample; None = all
-    max_turns: int = 2
+    max_turns: int = 2  # turns answered per multi-turn prompt, each after the model's own earlier answers
     max_prompt_tokens: int = 1024  # longer prompts keep their last tokens (with a warning)
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # per answer
     temperature: float = 0.0  # 0 = greedy, the text the engine will see at T=0
     batch_size: int = 64  # at most; long prompts get smaller batches (see generation.generate_batch)
-    seed: int = 0
+    seed: int = 0  # of the prompt sample and of sampling
     # Stop answering after this many minutes (all runs of the stage together) and keep what is done: the default
     # pipeline's time on any machine; None: answer every prompt
     max_minutes: float | None = None

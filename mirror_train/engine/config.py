@@ -26,12 +26,12 @@ class EngineConfig:
     temperature: float = 0.0  # 0: greedy; else the target's tokens are samples at this temperature
     seed: int = 0  # of the target's sampling (each generate call restarts it)
     placement: Literal["process", "gloo", "local"] = "process"  # where the draft runs (channel.py)
-    target_device: str = "cpu"
-    draft_device: str = "cpu"
+    target_device: str = "cpu"  # checked before any worker starts: cpu, cuda, cuda:N or mps
+    draft_device: str = "cpu"  # where the draft worker loads the draft (cuda:1: a second GPU)
     target_core: int | None = 0  # CPU core for the target's thread while generating (None: leave as is)
     draft_core: int | None = 1  # CPU core of the draft worker (None: any)
     threads: int = 1  # intra-op threads on each side
-    gloo_port: int = 29533
+    gloo_port: int = 29533  # placement=gloo: the TCP port of the draft's torch.distributed peer
     timeout_s: float = 60.0  # a draft silent for this long is taken for dead
     use_streams: bool = True  # the draft's lookahead streams (False: one token per draft forward)
     # Mirror-SD: while the target runs its prefix, the draft drafts on past its window (server.py `_look_ahead`)

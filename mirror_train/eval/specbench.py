@@ -35,20 +35,20 @@ METHODS = ENGINE_METHODS + PEER_METHODS
 
 @dataclass
 class SpecBenchConfig:
-    out: str = "outputs/specbench"
-    target: str = "testbed"
+    out: str = "outputs/specbench"  # the run's directory: answers/<method>.jsonl, run.json, the report
+    target: str = "testbed"  # the served model: testbed, a local HF directory or a Hub id
     proxy_head: str | None = None  # an exported proxy head (None: the logit lens at ℓe)
     draft: str | None = None  # an exported draft (needed by sd, mirror, assisted)
-    methods: str = "ar,sd,mirror,pld,assisted,hf_pld"
+    methods: str = "ar,sd,mirror,pld,assisted,hf_pld"  # comma-separated; ar (the baseline) must be one
     categories: str | None = None  # comma-separated categories or tasks (mt_bench, translation, ...); None: all
     limit_per_category: int | None = None  # questions per Spec-Bench task, spread over the task
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # per turn (Spec-Bench's original: 1024)
     runs: int = 1  # timed repetitions of each turn (the median is recorded)
-    warmups: int = 3
+    warmups: int = 3  # untimed generations per method before timing
     questions: str | None = None  # the question file (default: $MIRROR_TRAIN_SPECBENCH_QUESTIONS or shared data)
     download: bool = False  # fetch the question file from Spec-Bench at the pinned commit (sha256 checked)
     checksum: bool = True  # refuse a question file that is not the pinned one
-    cache_dir: str = "~/.cache/mirror-train"
+    cache_dir: str = "~/.cache/mirror-train"  # where --download keeps the question file
     # The target's precision, for every method alike (lossless means: equal to this target's own greedy output).
     # bfloat16 verifies a window at ~1.2× a one-token step on AMX CPUs and GPUs, float32 at ~1.75× (docs/engine.md).
     target_dtype: str = "float32"
