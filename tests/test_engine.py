@@ -482,6 +482,25 @@ def test_a_killed_worker_leaves_the_output_unchanged(target, draft, prompts, ref
     assert_no_worker(pid)
 
 
+@pytest.mark.parametrize("placement", ["process", "gloo"])
+def test_a_worker_that_raises_mid_generation_leaves_the_output_unchanged(target, prompts, references, placement):
+    """The draft raises inside a rollout half way through (an injected fault): its traceback comes back as Failed,
+    the engine warns once and finishes target-only; over gloo as over a pipe."""
+    faulty = SyntheticDraftConfig(acceptance=0.8, forward_ms=0, fail_after=6)
+    port = {"gloo_port": free_port()} if placement == "gloo" else {}
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=4, placement=placement, timeout_s=20, **ANY_CORE, **port)
+    engine = MirrorEngine(target, None, faulty, cfg).start()
+    try:
+        pid = engine.draft.pid
+        with pytest.warns(RuntimeWarning, match="injected fault"):
+            g = engine.generate(prompts[1], MAX_NEW, method="sd", stop=[], reference=references[1])
+        assert g.tokens == references[1]
+        assert engine.draft is None and any(s.window for s in g.steps) and g.steps[-1].window == 0
+    finally:
+        engine.close()
+    assert_no_worker(pid)
+
+
 def test_a_silent_worker_times_out_and_the_output_is_unchanged(target, prompts, references):
     """A draft slower than timeout_s is taken for dead: the engine goes on target-only instead of waiting."""
     cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="process", timeout_s=0.5, **ANY_CORE)

@@ -88,6 +88,7 @@ class SyntheticDraftConfig:
     node_ms: float = 0.0
     num_streams: int = 2
     seed: int = 0
+    fail_after: int | None = None  # fault injection: raise on the rollout after this many (the engine's fault path)
 
     def validate(self) -> None:
         if not 0 <= self.acceptance <= 1:
@@ -105,6 +106,7 @@ class SyntheticDraft:
         self.vocab_size = vocab_size
         self.rng = random.Random(cfg.seed)
         self.reference: list[int] = []
+        self.rollouts = 0
         self.context: list[int] = []  # the committed tokens it has "cached"
         self.spine: list[int] = []
 
@@ -116,6 +118,9 @@ class SyntheticDraft:
         self.spine = []
 
     def rollout(self, spine: Sequence[int], branches: Sequence[tuple[int, int | None]], gamma: int, features=None):
+        self.rollouts += 1
+        if self.cfg.fail_after is not None and self.rollouts > self.cfg.fail_after:
+            raise RuntimeError(f"synthetic draft: injected fault after {self.cfg.fail_after} rollouts")
         passes = math.ceil(gamma / (1 + self.num_streams))
         nodes = len(spine) + sum(token is not None for _, token in branches)
         start = time.perf_counter()
