@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from mirror_train.data.features import FeatureCache
-from mirror_train.data.pipeline import DataConfig
+from mirror_train.data.pipeline import DataConfig, cached_layers
 from mirror_train.errors import MirrorTrainError
 from mirror_train.losses import topk_kl_loss, topk_margin_loss
 from mirror_train.metrics import merge_reports, topk_label_report
@@ -45,6 +45,11 @@ class ProxyRunConfig:
     train: ProxyTrainConfig = field(default_factory=ProxyTrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+
+def data_layers(cfg: ProxyRunConfig, target) -> list[int]:
+    """The layers the head's feature caches hold: its ℓe and `data.extra_layers` (another recipe's, to share them)."""
+    return cached_layers(cfg.data, [target.check_exit_layer(cfg.head.exit_layer)])
 
 
 # --- one step and evaluation ----------------------------------------------------------------------------------

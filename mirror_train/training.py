@@ -292,3 +292,70 @@ def train_loop(
             checkpoints.save(accelerator, step, {"minutes": budget.minutes()})
     bar.close()
     return step
+
+
+# --- the scaffold both recipes share -------------------------------------------------------------------------------
+def setup_run(cfg, prepare_data_fn):
+    """The recipes' start: an Accelerator (trackers, precision), the target loaded where training runs, the resolved
+    config saved, the data made by the main process (`prepare_data_fn(target)`, resumable) while the others wait,
+    and the RNG seeded after it (data generation draws random numbers too). Returns (accelerator, out, target)."""
+    from mirror_train.config import config_to_dict, save_config
+    from mirror_train.target import Target
+
+    out = Path(cfg.output_dir)
+    accelerator = make_accelerator(out, cfg.log, config_to_dict(cfg), cfg.train.mixed_precision)
+    target = Target.load(cfg.target, device=accelerator.device)  # the data stages run where training does
+    if accelerator.is_main_process:
+        save_config(cfg, out / "config.yaml")
+        prepare_data_fn(target)
+    accelerator.wait_for_everyone()
+    torch.manual_seed(cfg.train.seed)
+    return accelerator, out, target
+
+
+def fit(accelerator, model, sampler, cfg, out: Path, *, loss_fn, evaluate_fn, heldout, desc: str):
+    """Prepare `model` (AdamW, the launch configuration, the newest checkpoint), say what the run will do, and train
+    it (`train_loop`); `evaluate_fn(inner)` scores the unwrapped model. Returns (the unwrapped model, last step)."""
+    trainable = sum(p.numel() for p in trainable_parameters(model))
+    model, optimizer, checkpoints, step, budget = start_run(
+        accelerator, model, out, cfg.train, cfg.optim, sampler.steps_per_epoch
+    )
+    accelerator.print(
+        f"{sampler.cache.meta['positions']} cached positions, {sampler.steps_per_epoch} steps an epoch, "
+        f"{budget.total_steps} steps of ≤{cfg.train.batch_size} positions; {trainable:,} trainable parameters; "
+        f"held-out answer positions: {len(heldout.positions(answers_only=True))}"
+    )
+    inner = accelerator.unwrap_model(model)
+    step = train_loop(
+        accelerator,
+        model,
+        optimizer,
+        sampler,
+        loss_fn=loss_fn,
+        evaluate_fn=lambda: evaluate_fn(inner),
+        budget=budget,
+        checkpoints=checkpoints,
+        step=step,
+        optim=cfg.optim,
+        log_every=cfg.log.every,
+        eval_every=cfg.train.eval_every,
+        save_every=cfg.train.save_every,
+        desc=desc,
+    )
+    return inner, step
+
+
+def recipe_entry(config_cls, main, doc: str) -> None:
+    """`recipe.py --config FILE [key=value ...]`: the config loaded (overrides applied), `main(cfg)` run, a
+    MirrorTrainError printed as one line."""
+    import argparse
+
+    from mirror_train.config import load_config, parse_overrides
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="a YAML run config (recipes/configs/)")
+    args, rest = parser.parse_known_args()
+    try:
+        main(load_config(config_cls, args.config, parse_overrides(rest)))
+    except MirrorTrainError as e:
+        raise SystemExit(f"error: {e}") from None
