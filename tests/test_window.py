@@ -55,10 +55,12 @@ def test_calibration_learns_rates_by_key_and_shrinks_sparse_keys():
 
 
 def test_fit_costs_is_relative_to_a_one_token_step():
-    samples = [(0, 60.0), (4, 100.0), (0, 62.0), (4, 98.0)]
-    costs, step_ms = fit_costs(samples, 4)
-    assert costs[0] == 1.0 and costs[4] == pytest.approx(99 / 61) and len(costs) == 5 and step_ms == 61.0
-    assert fit_costs([(0, 60.0), (0, 61.0)], 4) is None
+    samples = [(0, 60.0), (4, 100.0), (0, 62.0), (4, 98.0), (1, 80.0), (2, 70.0)]  # noise: 2 rows below 1
+    costs, step_ms = fit_costs(samples, 6)
+    assert step_ms == 61.0 and len(costs) == 7
+    # medians 61, 80, 70 → 80 (never cheaper for more), then 99 at 4: interpolated at 3, the 2→4 slope beyond
+    assert costs == pytest.approx([1.0, 80 / 61, 80 / 61, 89.5 / 61, 99 / 61, 108.5 / 61, 118 / 61])
+    assert fit_costs([(0, 60.0), (0, 61.0)], 4) is None and fit_costs([(1, 60.0), (2, 61.0)], 4) is None
 
 
 def test_a_rollout_pays_only_when_its_tokens_outweigh_its_time():

@@ -13,6 +13,7 @@ own probability of it, a copied token's (ngram.py) by its match size.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 
@@ -82,17 +83,37 @@ def prob_key(p: float, bins: int = 10) -> int:
 
 
 def fit_costs(samples: Sequence[tuple[int, float]], widths: int) -> tuple[list[float], float] | None:
-    """Relative verification costs c(0..widths) from (w, ms) measurements, and the ms of a one-token step: a
-    least-squares line ms = a + b·w, divided by its value at w = 0 (None with fewer than two widths measured)."""
-    if len({w for w, _ in samples}) < 2:
+    """Relative verification costs c(0..widths) from (w, ms) measurements, and the ms of a one-token step (None with
+    fewer than two widths measured, or without w = 0).
+
+    Per measured width the median, made non-decreasing (a wider window never costs less), linearly interpolated in
+    between and extrapolated past the widest measured by the last segment's slope. Not one line through all of them:
+    on a CPU the second row costs the most (torch's float32 matmuls jump from 1 to 2 rows, docs/engine.md), and a
+    line would price a one-token window too cheaply."""
+    by_width: dict[int, list[float]] = {}
+    for w, ms in samples:
+        by_width.setdefault(int(w), []).append(ms)
+    if len(by_width) < 2 or 0 not in by_width:
         return None
-    n = len(samples)
-    w_mean = sum(w for w, _ in samples) / n
-    t_mean = sum(t for _, t in samples) / n
-    var = sum((w - w_mean) ** 2 for w, _ in samples)
-    slope = max(sum((w - w_mean) * (t - t_mean) for w, t in samples) / var, 0.0)
-    base = max(t_mean - slope * w_mean, 1e-6)
-    return [1.0 + slope * w / base for w in range(widths + 1)], base
+    points = sorted((w, statistics.median(ms)) for w, ms in by_width.items())
+    monotone, top = [], 0.0
+    for w, ms in points:
+        top = max(top, ms)
+        monotone.append((w, top))
+    base = monotone[0][1]
+    out = []
+    for w in range(widths + 1):
+        right = next((i for i, (x, _) in enumerate(monotone) if x >= w), None)
+        if right is None:  # past the widest: the last segment's slope
+            (x0, y0), (x1, y1) = monotone[-2], monotone[-1]
+            ms = y1 + (y1 - y0) / (x1 - x0) * (w - x1)
+        elif monotone[right][0] == w or right == 0:
+            ms = monotone[right][1]
+        else:
+            (x0, y0), (x1, y1) = monotone[right - 1], monotone[right]
+            ms = y0 + (y1 - y0) * (w - x0) / (x1 - x0)
+        out.append(ms / base)
+    return out, base
 
 
 def rollout_pays(
