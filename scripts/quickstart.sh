@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up, materialise the SmolLM2 testbed, and run the default pipeline on it (about 2 hours on 2 CPU cores):
-# self-distillation data → proxy head (recipes/proxy_head.py) → draft (recipes/drafter.py, its own data: 4x the answers) →
+# one self-distilled data set → proxy head (recipes/proxy_head.py) → draft (recipes/drafter.py, same data) →
 # Spec-Bench on a small subset with every method, the report with its charts.
 # Each stage resumes or is skipped when re-run; set MIRROR_QUICKSTART_QUESTIONS (questions per Spec-Bench task).
 set -euo pipefail
