@@ -1,6 +1,7 @@
-"""mirror-train: Mirror Speculative Decoding toolkit."""
+"""mirror-train: Mirror Speculative Decoding toolkit.
+
+Importing the package is cheap (no torch, no transformers); `import mirror_train.models` registers the draft's
+model type with transformers' Auto classes.
+"""
 
 __version__ = "0.1.0"
-
-# Registers "mirror_drafter" with transformers' Auto classes; this imports transformers (seconds, not milliseconds).
-from mirror_train.models import drafter as _drafter  # noqa: E402, F401

@@ -40,15 +40,13 @@ from mirror_train.data.features import FeatureCache, pack_rows
 from mirror_train.data.pipeline import DataConfig, cached_layers, feature_dirs
 from mirror_train.errors import MirrorTrainError
 from mirror_train.losses import lookahead_ce_loss, topk_kl_loss
-from mirror_train.models.drafter import (
-    FEATURE_SLOTS,
-    TARGET_SLOTS,
-    MirrorDrafterForCausalLM,
-    frequent_token_map,
-    paired_features,
-)
+from mirror_train.models.drafter import MirrorDrafterForCausalLM, paired_features
+from mirror_train.models.drafter_config import FEATURE_SLOTS, TARGET_SLOTS
 from mirror_train.models.multi_stream_attention import packed_causal_mask, ttt_mask
+from mirror_train.signature import tokenizer_fingerprint
+from mirror_train.target import Target
 from mirror_train.training import LogConfig, OptimConfig, TrainConfig
+from mirror_train.vocab import frequent_token_map
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # decoder layers only
 _DROPPED_LOGP = -1e4  # log-prob of a top-k id outside the draft's vocabulary (see `_draft_vocab_kl`)
@@ -196,9 +194,6 @@ def build_draft(cfg: DrafterModelConfig, target, cache: FeatureCache) -> MirrorD
 
 def _donor(path: str, target):
     """A small model to initialise the draft from: it must read and write the target's token ids."""
-    from mirror_train.export import tokenizer_fingerprint
-    from mirror_train.target import Target
-
     donor = Target.load(path, device=target.device)
     if donor.vocab_size != target.vocab_size or tokenizer_fingerprint(donor.tokenizer) != tokenizer_fingerprint(
         target.tokenizer

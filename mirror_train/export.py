@@ -8,13 +8,12 @@ against a different target fails loudly here instead of silently producing garba
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import os
 import shutil
 import uuid
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from mirror_train import __version__
 from mirror_train.errors import MirrorTrainError
+from mirror_train.signature import TargetSignature
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "mirror_config.json"
@@ -43,87 +43,6 @@ _KIND_DESCRIPTIONS = {
 _DEFAULT_USAGE = """from mirror_train.export import load_artifact
 
 config, state_dict, target = load_artifact("path/to/this/repo", expected_kind="{kind}")"""
-
-
-def _sha16(payload: object) -> str:
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Hash of what token ids *mean*: the sorted vocab (token -> id) and the bos/eos/pad/unk ids.
-
-    The chat template is deliberately left out: it changes how prompts are laid out, not which id stands for which
-    token, so a head or draft trained under one template still works under another. It is recorded separately
-    (`chat_template_fingerprint`) for the record, and never makes a load fail.
-    """
-    specials = {name: getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
-    return _sha16({"vocab": sorted(tokenizer.get_vocab().items()), "special": specials})
-
-
-def chat_template_fingerprint(tokenizer) -> str | None:
-    template = getattr(tokenizer, "chat_template", None)
-    return None if template is None else _sha16(template)
-
-
-@dataclass(frozen=True)
-class TargetSignature:
-    """What an artifact needs to know about its target model to refuse the wrong one."""
-
-    name_or_path: str
-    revision: str | None
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    tokenizer_fingerprint: str
-    chat_template_fingerprint: str | None = None  # informational only, see `tokenizer_fingerprint`
-
-    # Differences here make an artifact unusable; name, revision and chat template may differ harmlessly
-    # (the same weights can live at a hub id and at a local path).
-    MUST_MATCH = ("model_type", "num_layers", "hidden_size", "vocab_size", "tokenizer_fingerprint")
-
-    @classmethod
-    def of(cls, model_config, tokenizer, name_or_path: str, revision: str | None = None) -> TargetSignature:
-        text = model_config.get_text_config()  # multimodal configs nest the language model's sizes
-        missing = [a for a in ("num_hidden_layers", "hidden_size", "vocab_size") if getattr(text, a, None) is None]
-        if missing:
-            raise MirrorTrainError(f"model config of {name_or_path} has no {', '.join(missing)}")
-        return cls(
-            name_or_path=str(name_or_path),
-            revision=revision,
-            model_type=model_config.model_type,
-            num_layers=text.num_hidden_layers,
-            hidden_size=text.hidden_size,
-            vocab_size=text.vocab_size,
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-            chat_template_fingerprint=chat_template_fingerprint(tokenizer),
-        )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TargetSignature:
-        names = {f.name for f in fields(cls)}
-        required = names - {"chat_template_fingerprint"}
-        if not isinstance(d, dict) or not required <= d.keys():
-            missing = sorted(required - d.keys()) if isinstance(d, dict) else "everything"
-            raise MirrorTrainError(f"target signature is incomplete (missing: {missing})")
-        return cls(**{k: v for k, v in d.items() if k in names})  # unknown keys: written by a newer version
-
-    def check_matches(self, other: TargetSignature, what: str) -> None:
-        """Raise if `other` (the model at hand) cannot use `what`, which was made for `self`; names every field."""
-        diffs = [
-            f"{f}: {getattr(self, f)!r} vs {getattr(other, f)!r}"
-            for f in self.MUST_MATCH
-            if getattr(self, f) != getattr(other, f)
-        ]
-        if diffs:
-            raise MirrorTrainError(
-                f"{what} was made for {self.name_or_path} and does not fit {other.name_or_path} "
-                f"(artifact vs given): {'; '.join(diffs)}"
-            )
 
 
 def _library_versions() -> dict:
@@ -183,6 +102,15 @@ def _replace_dir(new: Path, out: Path) -> None:
     _fsync(out.parent)
 
 
+@dataclass(frozen=True)
+class CardText:
+    """What a model card says beyond the artifact's own config and target: a title, how to use it, results."""
+
+    title: str
+    usage: str
+    results_markdown: str | None = None
+
+
 def save_artifact(
     out_dir,
     *,
@@ -190,13 +118,13 @@ def save_artifact(
     config: dict,
     state_dict: dict[str, torch.Tensor],
     target: TargetSignature,
-    card: str | None = None,
+    card: CardText | None = None,
     extra_files: dict[str, str | bytes] | None = None,
 ) -> Path:
     """Write an artifact atomically: everything goes into a sibling temp dir, which then replaces `out_dir`.
 
     An existing `out_dir` is replaced only if it is an artifact itself (or empty), so a mistyped path cannot wipe an
-    unrelated directory. `card=None` writes a default model card.
+    unrelated directory. The model card (README.md) is built from `card`, or a default one.
     """
     out = Path(out_dir).absolute()
     if not kind:
@@ -224,15 +152,15 @@ def save_artifact(
         )
     except TypeError as err:
         raise MirrorTrainError(f"artifact config is not JSON-serialisable: {err}") from None
-    if card is None:
-        card = model_card(
-            kind=kind,
-            title=f"{kind} for {target.name_or_path}",
-            target=target,
-            config=config,
-            results_markdown=None,
-            usage=_DEFAULT_USAGE.format(kind=kind),
-        )
+    card = card or CardText(f"{kind} for {target.name_or_path}", _DEFAULT_USAGE.format(kind=kind))
+    readme = model_card(
+        kind=kind,
+        title=card.title,
+        target=target,
+        config=config,
+        results_markdown=card.results_markdown,
+        usage=card.usage,
+    )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -242,7 +170,7 @@ def save_artifact(
         _fsync(tmp / WEIGHTS_FILE)
         for name, data in extra_files.items():
             _write(tmp / name, data)
-        _write(tmp / CARD_FILE, card)
+        _write(tmp / CARD_FILE, readme)
         _write(tmp / CONFIG_FILE, meta)
         _fsync(tmp)
         _replace_dir(tmp, out)

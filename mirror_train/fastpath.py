@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from mirror_train.errors import MirrorTrainError
+from mirror_train.timing import median_ms
 
 KINDS = ("auto", "onednn", "none")
 
@@ -61,8 +62,6 @@ def install(model: nn.Module, kind: str = "auto") -> str:
 
 def _crossover(linear: PackedLinear, rows=(1, 2, 4, 8, 16)) -> float:
     """The fewest rows from which the prepacked path is faster than torch's own on `linear` (inf: never)."""
-    from mirror_train.timing import median_ms
-
     faster = []
     with torch.inference_mode():
         for n in rows:

@@ -17,8 +17,10 @@ from mirror_train.data.features import FeatureCache
 from mirror_train.data.pipeline import DataConfig, cached_layers
 from mirror_train.errors import MirrorTrainError
 from mirror_train.losses import topk_kl_loss, topk_margin_loss
-from mirror_train.metrics import merge_reports, topk_label_report
+from mirror_train.metrics import exit_report, merge_reports, topk_label_report
 from mirror_train.models.proxy_head import ProxyHeadConfig
+from mirror_train.sweep import answer_positions
+from mirror_train.timing import median_ms, torch_threads
 from mirror_train.training import LogConfig, OptimConfig, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -106,9 +108,6 @@ def evaluate_exact(target, heads: dict, rows, exit_layer: int, kappas=(1, 4, 8))
     (`prompt_ids`, `answer_ids`, `category`). Returns {name: {"all": report, category: report, ...}}, plus the
     oracle under the name "oracle".
     """
-    from mirror_train.metrics import exit_report
-    from mirror_train.sweep import answer_positions
-
     parts: dict[str, dict[str, list]] = {name: {} for name in [*heads, "oracle"]}
     for row in rows:
         if not row["answer_ids"]:
@@ -131,8 +130,6 @@ def evaluate_exact(target, heads: dict, rows, exit_layer: int, kappas=(1, 4, 8))
 def head_cost_ms(head, target, positions: int = 8, threads: int = 1) -> dict[str, float]:
     """Median ms of the head on one verification window of `positions` ℓe states, on `threads` cores:
     the adapter alone, and adapter + final norm + LM head (what the engine pays)."""
-    from mirror_train.timing import median_ms, torch_threads
-
     h = torch.randn(1, positions, target.hidden_size, device=target.device)
     with torch_threads(threads), torch.inference_mode():
         full = median_ms(lambda: head(h) if head is not None else target.lens_logits(h))

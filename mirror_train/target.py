@@ -26,7 +26,10 @@ import torch
 from torch import nn
 
 from mirror_train import attention
+from mirror_train.devices import resolve_device
 from mirror_train.errors import MirrorTrainError
+from mirror_train.signature import TargetSignature
+from mirror_train.testbed import resolve_model, upstream_name
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 
@@ -89,9 +92,6 @@ class Target:
         """Load from the testbed (default), a local directory or a Hub id, with a clear error when that fails."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from mirror_train.devices import resolve_device
-        from mirror_train.testbed import resolve_model
-
         device = resolve_device(device)
         source = resolve_model(name_or_path)
         try:
@@ -145,9 +145,6 @@ class Target:
 
     def signature(self):
         """What an artifact records about this target, and what loading one checks against."""
-        from mirror_train.export import TargetSignature
-        from mirror_train.testbed import upstream_name
-
         return TargetSignature.of(self.config, self.tokenizer, upstream_name(self.name_or_path))
 
     # --- KV cache ----------------------------------------------------------------------------------------------

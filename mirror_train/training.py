@@ -20,7 +20,10 @@ from pathlib import Path
 
 import torch
 
+from mirror_train.config import config_to_dict, load_config, parse_overrides, save_config
+from mirror_train.devices import fast_bf16
 from mirror_train.errors import MirrorTrainError
+from mirror_train.target import Target
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +185,6 @@ def make_accelerator(
     if mixed_precision == "auto" and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
         mixed_precision = None  # DeepSpeed casts the model itself, as its config file says
     elif mixed_precision == "auto":
-        from mirror_train.devices import fast_bf16
-
         mixed_precision = "bf16" if fast_bf16("cuda" if torch.cuda.is_available() else "cpu") else "no"
 
     report = [r for r in log_cfg.report_to if r != "none"]
@@ -299,9 +300,6 @@ def setup_run(cfg, prepare_data_fn):
     """The recipes' start: an Accelerator (trackers, precision), the target loaded where training runs, the resolved
     config saved, the data made by the main process (`prepare_data_fn(target)`, resumable) while the others wait,
     and the RNG seeded after it (data generation draws random numbers too). Returns (accelerator, out, target)."""
-    from mirror_train.config import config_to_dict, save_config
-    from mirror_train.target import Target
-
     out = Path(cfg.output_dir)
     accelerator = make_accelerator(out, cfg.log, config_to_dict(cfg), cfg.train.mixed_precision)
     target = Target.load(cfg.target, device=accelerator.device)  # the data stages run where training does
@@ -349,8 +347,6 @@ def recipe_entry(config_cls, main, doc: str) -> None:
     """`recipe.py --config FILE [key=value ...]`: the config loaded (overrides applied), `main(cfg)` run, a
     MirrorTrainError printed as one line."""
     import argparse
-
-    from mirror_train.config import load_config, parse_overrides
 
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a YAML run config (recipes/configs/)")

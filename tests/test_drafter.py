@@ -9,14 +9,10 @@ import torch
 
 from mirror_train.engine.rollout import keep_cache_path, rollout
 from mirror_train.errors import MirrorTrainError
-from mirror_train.models.drafter import (
-    MirrorDrafterConfig,
-    MirrorDrafterForCausalLM,
-    check_compatible,
-    frequent_token_map,
-    paired_features,
-)
+from mirror_train.models.draft_surgery import check_compatible
+from mirror_train.models.drafter import MirrorDrafterConfig, MirrorDrafterForCausalLM, paired_features
 from mirror_train.target import Target
+from mirror_train.vocab import frequent_token_map
 from tests.conftest import tiny_model, tiny_tokenizer
 
 VOCAB = 128
@@ -138,7 +134,7 @@ def test_streams_at_one_position_ignore_the_streams_at_others(llama):
 def test_save_pretrained_round_trips_through_auto_model(llama, tmp_path, kwargs):
     from transformers import AutoModelForCausalLM
 
-    import mirror_train  # noqa: F401  (registers the Auto classes)
+    import mirror_train.models  # noqa: F401  (registers the Auto classes)
 
     draft = drafter(llama, **kwargs)
     with torch.no_grad():
@@ -161,7 +157,7 @@ def test_save_pretrained_round_trips_through_auto_model(llama, tmp_path, kwargs)
 def test_tied_embeddings_stay_tied_through_save_and_load(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    import mirror_train  # noqa: F401
+    import mirror_train.models  # noqa: F401
 
     draft = MirrorDrafterForCausalLM(tiny_draft_config(tie_word_embeddings=True))
     assert draft.lm_head.weight is draft.embed_tokens.weight

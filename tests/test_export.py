@@ -17,8 +17,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 from mirror_train import __version__, export
+from mirror_train import signature as sig
 from mirror_train.errors import MirrorTrainError
-from mirror_train.export import TargetSignature, load_artifact, model_card, push_to_hub, save_artifact
+from mirror_train.export import load_artifact, model_card, push_to_hub, save_artifact
+from mirror_train.signature import TargetSignature
 
 TOKEN = "hf_sEcReT0123456789"
 
@@ -68,16 +70,16 @@ def test_signature_of_tiny_target(target):
     assert (target.name_or_path, target.revision) == ("org/tiny-llama", "main")
     assert TargetSignature.from_dict(json.loads(json.dumps(target.to_dict()))) == target
     # Pinned: the fingerprint must not depend on the process (hash seeds, dict order) or it would reject good loads.
-    assert export.tokenizer_fingerprint(make_tokenizer()) == "4543da28cf3951de"
+    assert sig.tokenizer_fingerprint(make_tokenizer()) == "4543da28cf3951de"
 
 
 def test_fingerprint_is_vocab_and_special_tokens_not_chat_template():
     base = make_tokenizer(chat_template="A")
-    assert export.tokenizer_fingerprint(make_tokenizer(chat_template="B")) == export.tokenizer_fingerprint(base)
-    assert export.chat_template_fingerprint(make_tokenizer(chat_template="B")) != export.chat_template_fingerprint(base)
-    assert export.chat_template_fingerprint(make_tokenizer()) is None
-    assert export.tokenizer_fingerprint(make_tokenizer(extra_tokens=["!"])) != export.tokenizer_fingerprint(base)
-    assert export.tokenizer_fingerprint(make_tokenizer(pad="</s>")) != export.tokenizer_fingerprint(base)
+    assert sig.tokenizer_fingerprint(make_tokenizer(chat_template="B")) == sig.tokenizer_fingerprint(base)
+    assert sig.chat_template_fingerprint(make_tokenizer(chat_template="B")) != sig.chat_template_fingerprint(base)
+    assert sig.chat_template_fingerprint(make_tokenizer()) is None
+    assert sig.tokenizer_fingerprint(make_tokenizer(extra_tokens=["!"])) != sig.tokenizer_fingerprint(base)
+    assert sig.tokenizer_fingerprint(make_tokenizer(pad="</s>")) != sig.tokenizer_fingerprint(base)
 
 
 def test_check_matches_ignores_name_revision_and_chat_template(target):

@@ -23,9 +23,13 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM
 
+import mirror_train.models  # noqa: F401  (registers the draft's Auto classes for the worker's from_pretrained)
 from mirror_train import fastpath
+from mirror_train.engine.drafts import ModelDraft, SyntheticDraft, SyntheticDraftConfig
 from mirror_train.engine.messages import Failed, Ready, Stop
+from mirror_train.engine.server import DraftServer
 from mirror_train.errors import MirrorTrainError
 
 
@@ -39,19 +43,12 @@ def build_server(spec: dict):
     {"kind": "synthetic", "config": SyntheticDraftConfig fields, "vocab_size"}, plus "branch_budget",
     "adaptive_budget", "kappa", "dtype" (of the draft and the head here) and "head" (the path of a proxy-head
     bundle when the head runs on this side)."""
-    from mirror_train.engine.drafts import ModelDraft, SyntheticDraft, SyntheticDraftConfig
-    from mirror_train.engine.server import DraftServer
-
     dtype = getattr(torch, spec.get("dtype", "float32"))
     if spec["kind"] == "ngram":  # prompt lookup alone: no model
         backend = None
     elif spec["kind"] == "synthetic":
         backend = SyntheticDraft(SyntheticDraftConfig(**spec["config"]), spec["vocab_size"])
     else:
-        from transformers import AutoModelForCausalLM
-
-        import mirror_train.models.drafter  # noqa: F401  (registers the Auto classes)
-
         model = AutoModelForCausalLM.from_pretrained(spec["path"], dtype=dtype).to(spec.get("device", "cpu")).eval()
         fastpath.install(model.requires_grad_(False), spec.get("fast_path", "none"))
         backend = ModelDraft(model, use_streams=spec.get("use_streams", True))

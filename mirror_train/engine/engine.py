@@ -27,27 +27,27 @@ target-only from the committed tokens, so the output is unchanged.
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
 import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 
 from mirror_train import fastpath
-from mirror_train.devices import pinned, resolve_dtype
+from mirror_train.devices import pinned
 from mirror_train.engine.acceptance import accept, target_tokens, truncate
 from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDraft
 from mirror_train.engine.config import METHODS, EngineConfig, Generation, StepStats
-from mirror_train.engine.drafts import SyntheticDraftConfig
 from mirror_train.engine.latency import predicted_step_ms
 from mirror_train.engine.messages import Branches, Candidates, Ping, Start, Verdict
+from mirror_train.engine.setup import bind_head, draft_spec
 from mirror_train.engine.window import fit_costs
 from mirror_train.errors import MirrorTrainError
+from mirror_train.generation import encode_chat, stop_token_ids
 from mirror_train.target import Target
 from mirror_train.vocab import top_ranked
 
@@ -61,8 +61,6 @@ class MirrorEngine:
     """
 
     def __init__(self, target, proxy_head=None, draft=None, config: EngineConfig | None = None):
-        from mirror_train.generation import stop_token_ids
-
         self.config = cfg = config or EngineConfig()
         cfg.validate()
         self.target = target
@@ -74,7 +72,7 @@ class MirrorEngine:
                 stacklevel=2,
             )
         self.fast_path = fastpath.install(target.model, cfg.fast_path)
-        self.head = self._bind_head(proxy_head)
+        self.head = bind_head(target, cfg, proxy_head)
         if cfg.kappa > target.vocab_size:
             raise MirrorTrainError(f"kappa={cfg.kappa} exceeds the vocabulary ({target.vocab_size})")
         self.exit_layer = self.head.cfg.exit_layer
@@ -83,8 +81,10 @@ class MirrorEngine:
             self.head.restrict(top_ranked(ranking, cfg.candidate_vocab, target.vocab_size))
         self.stops = set(stop_token_ids(target.tokenizer, target.config)) if target.tokenizer is not None else set()
         self._tmp = tempfile.TemporaryDirectory(prefix="mirror-engine-")  # what the worker loads: draft, head bundle
-        self.draft_slots: list[str] = []  # the target's states the draft reads (exit, final): they cross every step
-        self.spec = self._draft_spec(draft) if draft is not None else None
+        # the worker's spec, and the target's states the draft reads (exit, final): they cross every step
+        self.spec, self.draft_slots = (
+            (None, []) if draft is None else draft_spec(target, cfg, draft, self.head, self._tmp.name)
+        )
         self.draft = None  # the channel, once started
         self.channel_ms = 0.0
         self._suffix_ms: float | None = None
@@ -93,83 +93,6 @@ class MirrorEngine:
         self._pld: LocalDraft | None = None  # the prompt-lookup "draft" of method pld, in-process
         self._costs: tuple[list[float], float] | None = None  # relative cost by window length, one-token ms
         self._verify_samples: deque[tuple[int, float]] = deque(maxlen=64)  # (window length, target ms) per step
-
-    # --- set-up ----------------------------------------------------------------------------------------------
-    def _bind_head(self, proxy_head):
-        from mirror_train.models.proxy_head import ProxyHead, ProxyHeadConfig, load_proxy_head
-
-        cfg, target = self.config, self.target
-        if proxy_head is None:
-            layer = cfg.exit_layer if cfg.exit_layer is not None else target.num_layers // 2
-            target.check_exit_layer(layer)
-            return ProxyHead(ProxyHeadConfig(kind="lens", exit_layer=layer, kappa=cfg.kappa), target.hidden_size).bind(
-                target
-            )
-        if not isinstance(proxy_head, ProxyHead):
-            proxy_head = load_proxy_head(proxy_head, target, cfg.exit_layer)
-        if cfg.exit_layer is not None and proxy_head.cfg.exit_layer != cfg.exit_layer:
-            raise MirrorTrainError(f"the proxy head reads ℓe={proxy_head.cfg.exit_layer}, not ℓe={cfg.exit_layer}")
-        if proxy_head._target is not target:
-            proxy_head.bind(target)
-        # Beside the target it computes in the target's precision, like the final norm and LM head it borrows.
-        return proxy_head.to(target.dtype)
-
-    def _draft_spec(self, draft) -> dict:
-        from mirror_train.models.drafter import MirrorDrafterForCausalLM, check_compatible
-
-        cfg, target = self.config, self.target
-        dtype = str(resolve_dtype(cfg.draft_dtype, cfg.draft_device)).removeprefix("torch.")
-        common = {
-            "branch_budget": cfg.branch_budget,
-            "adaptive_budget": cfg.adaptive_budget,
-            "kappa": cfg.kappa,
-            "dtype": dtype,
-            "ngram_tokens": cfg.ngram_tokens,
-            "adaptive_window": cfg.adaptive_window,
-            "fast_path": cfg.fast_path,
-        }
-        if cfg.head_placement == "draft":
-            common["head"] = self._head_bundle()
-        if isinstance(draft, SyntheticDraftConfig):
-            draft.validate()
-            return {"kind": "synthetic", "config": asdict(draft), "vocab_size": target.vocab_size, **common}
-        if isinstance(draft, MirrorDrafterForCausalLM):
-            check_compatible(draft, target)
-            path = os.path.join(self._tmp.name, "draft")
-            draft.save_pretrained(path)
-        else:
-            from mirror_train.export import load_artifact
-            from mirror_train.models.draft_artifact import ARTIFACT_KIND
-
-            path = str(draft)
-            load_artifact(path, expected_kind=ARTIFACT_KIND, target=target.signature())  # clear errors, early
-            from transformers import AutoConfig
-
-            dc = AutoConfig.from_pretrained(path)
-            if dc.vocab_size != target.vocab_size:
-                raise MirrorTrainError(f"draft {path} has {dc.vocab_size} ids, the target {target.vocab_size}")
-        from transformers import AutoConfig
-
-        dc = AutoConfig.from_pretrained(path)
-        if getattr(dc, "feature_conditioning", "none") != "none" and dc.target_exit_layer != self.exit_layer:
-            raise MirrorTrainError(
-                f"the draft reads the target's layer-{dc.target_exit_layer} states and the proxy head splits the "
-                f"target at ℓe={self.exit_layer}: the engine computes one ℓe, so both must read the same layer"
-            )
-        if getattr(dc, "feature_conditioning", "none") != "none":
-            slots = getattr(dc, "feature_slots", None) or ["exit"]
-            self.draft_slots = [slot for slot in ("exit", "final") if slot in slots]
-        return {"kind": "model", "path": path, "device": cfg.draft_device, "use_streams": cfg.use_streams, **common}
-
-    def _head_bundle(self) -> str:
-        """The proxy head, its target's final norm and its candidate rows of the LM head, for the draft's side."""
-        from mirror_train.models.proxy_head import HeadEnd
-
-        end, state = HeadEnd.of(self.head)
-        path = os.path.join(self._tmp.name, "proxy_head.pt")
-        bundle = {"end": end, "cfg": self.head.cfg, "state": state, "vocab_ids": self.head.vocab_ids}
-        torch.save(bundle, path)
-        return path
 
     def start(self) -> MirrorEngine:
         """Start the draft worker (idempotent) and measure the channel's round trip."""
@@ -241,8 +164,6 @@ class MirrorEngine:
             yield from chunk
 
     def _ids(self, prompt) -> list[int]:
-        from mirror_train.generation import encode_chat
-
         if isinstance(prompt, str):
             prompt = [{"role": "user", "content": prompt}]
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):

@@ -37,10 +37,7 @@ def rollout(
     cache: DynamicCache,
     roots: Sequence[Sequence[int]],
     gamma: int,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-    use_streams: bool = True,
-    features: dict[str, torch.Tensor] | None = None,
+    **options,
 ) -> list[Rollout]:
     """Roll out γ draft tokens after each branch root, all branches batched in one tree forward per pass.
 
@@ -62,13 +59,11 @@ def rollout(
     tokens: list[int] = []
     chains: list[list[int]] = []
     for root in roots:  # each root a chain of its own after the committed context
-        chain = []
+        chain: list[int] = []
         for token in root:
-            parents.append(chain[-1] if chain else -1)
-            tokens.append(int(token))
-            chain.append(len(parents) - 1)
+            chain.append(_add_node(parents, tokens, chain[-1] if chain else -1, token))
         chains.append(chain)
-    return _rollout(draft, cache, parents, tokens, chains, gamma, temperature, generator, use_streams, features)
+    return rollout_nodes(draft, cache, parents, tokens, chains, gamma, **options)
 
 
 @torch.no_grad()
@@ -78,10 +73,7 @@ def rollout_tree(
     spine: Sequence[int],
     branches: Sequence[tuple[int, int | None]],
     gamma: int,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-    use_streams: bool = True,
-    features: dict[str, torch.Tensor] | None = None,
+    **options,
 ) -> list[Rollout]:
     """Roll out γ tokens for branches that hang off a shared chain: the engine's branch-complete rollout.
 
@@ -106,29 +98,35 @@ def rollout_tree(
             raise MirrorTrainError(f"branch ({anchor}, {token}): anchor must be in -1..{len(spine) - 1}")
         chain = list(range(anchor + 1))
         if token is not None:
-            parents.append(anchor)
-            tokens.append(int(token))
-            chain.append(len(parents) - 1)
+            chain.append(_add_node(parents, tokens, anchor, token))
         chains.append(chain)
-    return _rollout(draft, cache, parents, tokens, chains, gamma, temperature, generator, use_streams, features)
+    return rollout_nodes(draft, cache, parents, tokens, chains, gamma, **options)
 
 
-def _rollout(
+def _add_node(parents: list[int], tokens: list[int], parent: int, token: int) -> int:
+    """Append a tree node (its parent's index, -1 for the committed context) and return its index."""
+    parents.append(parent)
+    tokens.append(int(token))
+    return len(parents) - 1
+
+
+@torch.no_grad()
+def rollout_nodes(
     draft: MirrorDrafterForCausalLM,
     cache: DynamicCache,
     parents: list[int],
     tokens: list[int],
     chains: list[list[int]],
     gamma: int,
-    temperature: float,
-    generator: torch.Generator | None,
-    use_streams: bool,
-    features: dict[str, torch.Tensor] | None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    use_streams: bool = True,
+    features: dict[str, torch.Tensor] | None = None,
 ) -> list[Rollout]:
-    """The rollout loop of `rollout` and `rollout_tree`: the first pass feeds the shared nodes (parents,
-    tokens); then each pass appends every branch's newest tokens after the last node of its chain, each reading
-    in the own slot the state that predicted it (the main stream's for the next token, stream j's for the token
-    j further on).
+    """The rollout loop of `rollout` and `rollout_tree` (their keyword options are this function's): the first
+    pass feeds the shared nodes (parents, tokens); then each pass appends every branch's newest tokens after the
+    last node of its chain, each reading in the own slot the state that predicted it (the main stream's for the
+    next token, stream j's for the token j further on).
 
     The LM head runs only on each branch's last node: the other nodes' logits are never read.
     """

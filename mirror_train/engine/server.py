@@ -37,8 +37,8 @@ from mirror_train.engine.messages import Branches, Ping, Pong, Start, Verdict, W
 from mirror_train.engine.ngram import NgramIndex
 from mirror_train.engine.rollout import Rollout
 from mirror_train.engine.window import Calibration, best_length, prob_key, rollout_pays
+from mirror_train.models.drafter_config import TARGET_SLOTS
 
-TARGET_SLOTS = ("exit", "final")
 EXPLORE = 8  # a skipped serial rollout is tried anyway after this many skips in a row (`_rollout_pays`)
 # Of the target's measured suffix time, the share the branch rollout plans to fill: with all of it, 10–20% of steps
 # overran it on the 2-core testbed (the suffix and the rollout time both vary by ~10% step to step; docs/engine.md)

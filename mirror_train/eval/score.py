@@ -152,11 +152,7 @@ def charts(result: dict, out: Path) -> list[Path]:
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))], groups, rotation=20)
     ax.set_ylabel("speed-up over ar")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    speed = out / "speedup.png"
-    fig.savefig(speed, dpi=120)
-    plt.close(fig)
+    speed = _save(fig, ax, out / "speedup.png")
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for m in methods:
@@ -166,12 +162,17 @@ def charts(result: dict, out: Path) -> list[Path]:
         ax.plot(xs, [hist[x] / total for x in xs], marker="o", label=m)
     ax.set_xlabel("tokens committed per target forward")
     ax.set_ylabel("fraction of steps")
+    return [speed, _save(fig, ax, out / "accepted.png")]
+
+
+def _save(fig, ax, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     ax.legend(fontsize=8)
     fig.tight_layout()
-    accepted = out / "accepted.png"
-    fig.savefig(accepted, dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return [speed, accepted]
+    return path
 
 
 def write_report(out: str | Path) -> Path:

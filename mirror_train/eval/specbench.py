@@ -25,8 +25,15 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from mirror_train.devices import pinned, resolve_dtype
+from mirror_train.engine import MirrorEngine
 from mirror_train.engine.config import EngineConfig
 from mirror_train.errors import MirrorTrainError
+from mirror_train.eval.peers import hf_generate
+from mirror_train.eval.questions import load_questions, resolve_questions
+from mirror_train.generation import encode_chat
+from mirror_train.models.draft_artifact import load_draft
+from mirror_train.target import Target
 
 ENGINE_METHODS = ("ar", "sd", "mirror", "pld")
 PEER_METHODS = ("assisted", "hf_pld")
@@ -146,12 +153,6 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
     """Run (or resume) the benchmark; returns the output directory."""
     import torch
 
-    from mirror_train.engine import MirrorEngine
-    from mirror_train.eval.peers import hf_generate
-    from mirror_train.eval.questions import load_questions, resolve_questions
-    from mirror_train.generation import encode_chat
-    from mirror_train.target import Target
-
     cfg.validate()
     methods = _servable(cfg)
     out = Path(cfg.out)
@@ -176,9 +177,6 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
     engine = MirrorEngine(target, cfg.proxy_head, cfg.draft if uses_draft else None, engine_cfg)
     assistant = None
     if "assisted" in methods:
-        from mirror_train.devices import resolve_dtype
-        from mirror_train.models.draft_artifact import load_draft
-
         # the same network in the same precision as the engine's draft: only the decoding algorithm differs
         dtype = resolve_dtype(cfg.engine.draft_dtype, target.device)
         assistant = load_draft(cfg.draft, target).to_llama().to(dtype)
@@ -254,16 +252,11 @@ def _reads_target_states(draft: str) -> bool:
 
 def _pinned_hf(target, ids, cfg, stops, method, assistant, hf_generate):
     """A transformers peer on the target's core with one thread, as the engine's target runs."""
-    from mirror_train.devices import pinned
-
     with pinned(cfg.engine.target_core if cfg.engine.placement != "local" else None, 1):
         return hf_generate(target, ids, cfg.max_new_tokens, stops, method, assistant)
 
 
 def _warm(method, messages, engine, target, cfg, stops, assistant) -> None:
-    from mirror_train.eval.peers import hf_generate
-    from mirror_train.generation import encode_chat
-
     ids = encode_chat(target.tokenizer, messages)
     if method in ENGINE_METHODS:
         engine.generate(ids, 16, method=method)

@@ -1,6 +1,6 @@
 """A draft's exported artifact: saved with everything that describes it, loaded only for the target it belongs to.
 
-`save_draft` writes what `AutoModelForCausalLM.from_pretrained` also loads (after `import mirror_train`) plus
+`save_draft` writes what `AutoModelForCausalLM.from_pretrained` also loads (after `import mirror_train.models`) plus
 mirror_config.json (kind "draft", the draft's config, the target's signature) and a model card; `load_draft`
 refuses another target's draft (tokenizer, vocabulary, layers, the states it reads) before it proposes a token.
 """
@@ -13,21 +13,21 @@ from pathlib import Path
 from peft import PeftModel
 
 from mirror_train.errors import MirrorTrainError
-from mirror_train.models.drafter import MirrorDrafterForCausalLM, check_compatible
+from mirror_train.export import WEIGHTS_FILE, CardText, load_artifact, save_artifact
+from mirror_train.models.draft_surgery import check_compatible
+from mirror_train.models.drafter import MirrorDrafterForCausalLM
 
 ARTIFACT_KIND = "draft"
 
 
 def save_draft(model, out_dir, target, metrics: dict | None = None, extra: dict | None = None) -> Path:
     """Export a self-describing draft artifact that `AutoModelForCausalLM.from_pretrained` also loads (after
-    `import mirror_train`): config.json + model.safetensors + the target's tokenizer, and mirror_config.json (kind
-    "draft", the draft's config, the target's signature, `extra`) + a model card with the held-out `metrics`.
+    `import mirror_train.models`): config.json + model.safetensors + the target's tokenizer, and mirror_config.json
+    (kind "draft", the draft's config, the target's signature, `extra`) + a model card with the held-out `metrics`.
 
     LoRA adapters are merged into the layers first (this unwraps a peft model in place).
     """
     from safetensors.torch import load_file
-
-    from mirror_train.export import WEIGHTS_FILE, model_card, save_artifact
 
     draft = model.merge_and_unload() if isinstance(model, PeftModel) else model
     with tempfile.TemporaryDirectory() as tmp:  # save_artifact then writes the lot atomically, its files added
@@ -46,30 +46,19 @@ def save_draft(model, out_dir, target, metrics: dict | None = None, extra: dict 
     usage = (
         "from mirror_train.models.draft_artifact import load_draft\nfrom mirror_train.target import Target\n\n"
         "target = Target.load(...)  # the target this draft belongs to\ndraft = load_draft(PATH, target)\n"
-        "# or, without the check: transformers.AutoModelForCausalLM.from_pretrained(PATH) after `import mirror_train`"
+        "# or, without the check, after `import mirror_train.models`:\n"
+        "# transformers.AutoModelForCausalLM.from_pretrained(PATH)"
     )
     c = draft.config
     title = f"{c.num_hidden_layers}-layer draft, γ'={c.num_streams} streams, for {target.name_or_path}"
-    card = model_card(
-        kind=ARTIFACT_KIND, title=title, target=target.signature(), config=config, results_markdown=table, usage=usage
-    )
-    return save_artifact(
-        out_dir,
-        kind=ARTIFACT_KIND,
-        config=config,
-        state_dict=weights,
-        target=target.signature(),
-        card=card,
-        extra_files=files,
-    )
+    meta = {"kind": ARTIFACT_KIND, "config": config, "target": target.signature()}
+    return save_artifact(out_dir, **meta, state_dict=weights, card=CardText(title, usage, table), extra_files=files)
 
 
 def load_draft(path, target) -> MirrorDrafterForCausalLM:
     """Load an exported draft and check that it belongs to `target` (tokenizer, vocabulary, layer count and, for a
     feature-conditioned draft, the hidden state it reads) before it proposes a single token."""
     from transformers import AutoModelForCausalLM
-
-    from mirror_train.export import load_artifact
 
     load_artifact(path, expected_kind=ARTIFACT_KIND, target=target.signature())  # refuses before the weights load
     draft = AutoModelForCausalLM.from_pretrained(path)

@@ -32,123 +32,25 @@ Decisions the papers leave open:
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from huggingface_hub.dataclasses import strict
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers import initialization as init
-from transformers.modeling_rope_utils import RopeParameters
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.utils import ModelOutput
 
 from mirror_train.errors import MirrorTrainError
 from mirror_train.losses import IGNORE_INDEX, speculative_streaming_loss
+from mirror_train.models.draft_surgery import build_from_target, plain_llama
+from mirror_train.models.drafter_config import MirrorDrafterConfig
 from mirror_train.models.multi_stream_attention import (
     MultiStreamDecoderLayer,
     causal_mask,
     tree_mask,
 )
-from mirror_train.vocab import frequent_token_map  # noqa: F401  (part of this module's interface)
-
-FEATURE_CONDITIONING = ("none", "target_hidden")
-FEATURE_SLOTS = ("exit", "final", "own")  # see the module docstring
-TARGET_SLOTS = ("exit", "final")  # the slots the target fills
-
-
-@strict
-class MirrorDrafterConfig(PreTrainedConfig):
-    """Llama fields plus the streams, the reduced vocabulary and the feature conditioning.
-
-    The defaults are SmolLM2-135M's sizes with 4 layers, 1 stream layer and 1 stream.
-    """
-
-    model_type = "mirror_drafter"
-
-    vocab_size: int = 49152  # the target's vocabulary: what the embedding reads
-    hidden_size: int = 576
-    intermediate_size: int = 1536
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 9
-    num_key_value_heads: int | None = None  # None: = num_attention_heads
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-5
-    rope_parameters: RopeParameters | dict | None = None  # None: default RoPE, θ = 10000
-    max_position_embeddings: int = 8192
-    initializer_range: float = 0.02  # also the std of the stream embeddings P_j
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    attention_dropout: float = 0.0
-    mlp_bias: bool = False
-    pad_token_id: int | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-
-    num_streams: int = 1  # γ': lookahead streams per position
-    num_stream_layers: int = 1  # N_s: the top N_s layers are multi-stream
-    stream_loss_weight: float = 0.1  # α_j for every stream j ≥ 1 (the paper's value); α_0 = 1
-    draft_vocab_size: int | None = None  # None: the head covers the whole vocabulary; else rows of `d2t`
-    feature_conditioning: str = "none"  # "none" | "target_hidden"
-    feature_slots: list[str] | None = None  # "target_hidden": the states fused at each input (FEATURE_SLOTS);
-    # None = ["exit"], the draft of earlier versions
-    target_hidden_size: int | None = None  # "target_hidden": the width of the target's hidden state
-    target_exit_layer: int | None = None  # "target_hidden": ℓe, the target layer whose output is read (1-based)
-    target: dict | None = None  # TargetSignature.to_dict() of the target this draft belongs to
-
-    def __post_init__(self, **kwargs):
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        super().__post_init__(**kwargs)
-
-    def validate_drafter(self) -> None:
-        """Run by `@strict` after construction and by `validate()` (the model calls it too)."""
-        n = self.num_hidden_layers
-        if self.num_streams < 0:
-            raise MirrorTrainError(f"num_streams (γ') must be ≥ 0, got {self.num_streams}")
-        if not 0 <= self.num_stream_layers <= n:
-            raise MirrorTrainError(
-                f"num_stream_layers (N_s) must be in 0..{n} (the draft has {n} layers), got {self.num_stream_layers}"
-            )
-        if self.num_streams > 0 and self.num_stream_layers == 0:
-            raise MirrorTrainError(f"num_streams={self.num_streams} needs num_stream_layers ≥ 1 to carry the streams")
-        if self.draft_vocab_size is not None:
-            if not 1 <= self.draft_vocab_size <= self.vocab_size:
-                raise MirrorTrainError(
-                    f"draft_vocab_size must be in 1..{self.vocab_size} (the vocabulary size), "
-                    f"got {self.draft_vocab_size}"
-                )
-            if self.tie_word_embeddings:
-                raise MirrorTrainError("tie_word_embeddings needs the full vocabulary (draft_vocab_size=None)")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise MirrorTrainError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
-                f"({self.num_key_value_heads})"
-            )
-        if self.feature_conditioning not in FEATURE_CONDITIONING:
-            raise MirrorTrainError(
-                f"feature_conditioning must be one of {', '.join(FEATURE_CONDITIONING)}, "
-                f"got {self.feature_conditioning!r}"
-            )
-        if self.feature_conditioning == "target_hidden" and not (self.target_hidden_size or 0) >= 1:
-            raise MirrorTrainError("feature_conditioning='target_hidden' needs target_hidden_size ≥ 1")
-        slots = self.slots
-        if len(set(slots)) != len(slots) or any(s not in FEATURE_SLOTS for s in slots):
-            raise MirrorTrainError(f"feature_slots must be distinct names among {', '.join(FEATURE_SLOTS)}: {slots}")
-        if self.feature_conditioning == "target_hidden" and not set(slots) & set(TARGET_SLOTS):
-            raise MirrorTrainError("feature_slots must name at least one target state (exit or final)")
-
-    @property
-    def slots(self) -> list[str]:
-        """The feature slots the fusion reads, in its input order ([] for a token-only draft)."""
-        if self.feature_conditioning != "target_hidden":
-            return []
-        return list(self.feature_slots) if self.feature_slots is not None else ["exit"]
 
 
 @dataclass
@@ -351,137 +253,15 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
         return full.index_copy(-1, self.d2t, logits)
 
-    # --- building a draft from its target ----------------------------------------------------------------------
+    # --- building a draft from its target, and its plain-Llama form (draft_surgery.py) -------------------------
     @classmethod
-    def from_target(
-        cls,
-        target_model,
-        num_layers: int,
-        num_streams: int = 1,
-        num_stream_layers: int = 1,
-        draft_vocab: Sequence[int] | torch.Tensor | None = None,
-        feature_conditioning: str = "none",
-        target_exit_layer: int | None = None,
-        tokenizer=None,
-    ) -> MirrorDrafterForCausalLM:
-        """A draft initialised from a Llama-shaped transformers target (or a `Target`): its embeddings, its first
-        `num_layers` decoder layers, its final norm and its LM head (only the `draft_vocab` rows when given: a list
-        of target ids, which becomes `d2t`). `target_exit_layer` (ℓe, default N/2) is for feature conditioning.
-        With a tokenizer, the target's signature is stored in the config for `check_compatible`.
-        """
-        model, tokenizer = _unwrap_target(target_model, tokenizer)
-        tc = model.config
-        decoder = model.get_decoder()
-        n = len(decoder.layers)
-        _check_llama_shaped(tc)
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= n:
-            raise MirrorTrainError(f"num_layers must be in 1..{n} (the target has {n} layers), got {num_layers!r}")
-        head = model.get_output_embeddings().weight  # (V, H)
-        if draft_vocab is not None:
-            draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long).flatten()
-            if len(draft_vocab) == 0 or len(set(draft_vocab.tolist())) != len(draft_vocab):
-                raise MirrorTrainError("draft_vocab must be a non-empty list of distinct target token ids")
-            if int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= head.shape[0]:
-                raise MirrorTrainError(f"draft_vocab holds ids outside the target's vocabulary 0..{head.shape[0] - 1}")
-        conditioned = feature_conditioning == "target_hidden"
-        if conditioned:
-            from mirror_train.target import check_exit_layer
+    def from_target(cls, target_model, num_layers: int, *args, **options) -> MirrorDrafterForCausalLM:
+        """A draft initialised from a Llama-shaped target's layers: see `draft_surgery.build_from_target`."""
+        return build_from_target(cls, target_model, num_layers, *args, **options)
 
-            target_exit_layer = check_exit_layer(n // 2 if target_exit_layer is None else target_exit_layer, n)
-        signature = None
-        if tokenizer is not None:
-            from mirror_train.export import TargetSignature
-
-            signature = TargetSignature.of(tc, tokenizer, getattr(tc, "name_or_path", "") or "unknown").to_dict()
-
-        config = MirrorDrafterConfig(
-            vocab_size=head.shape[0],
-            hidden_size=tc.hidden_size,
-            intermediate_size=tc.intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=tc.num_attention_heads,
-            num_key_value_heads=tc.num_key_value_heads,
-            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
-            hidden_act=tc.hidden_act,
-            rms_norm_eps=tc.rms_norm_eps,
-            rope_parameters=copy.deepcopy(tc.rope_parameters),
-            max_position_embeddings=tc.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(tc, "tie_word_embeddings", False)) and draft_vocab is None,
-            attention_bias=bool(getattr(tc, "attention_bias", False)),
-            mlp_bias=bool(getattr(tc, "mlp_bias", False)),
-            pad_token_id=getattr(tc, "pad_token_id", None),
-            bos_token_id=getattr(tc, "bos_token_id", None),
-            eos_token_id=getattr(tc, "eos_token_id", None),
-            num_streams=num_streams,
-            num_stream_layers=num_stream_layers,
-            draft_vocab_size=None if draft_vocab is None else len(draft_vocab),
-            feature_conditioning=feature_conditioning,
-            target_hidden_size=tc.hidden_size if conditioned else None,
-            target_exit_layer=target_exit_layer,
-            target=signature,
-        )
-        draft = cls(config).to(device=head.device, dtype=head.dtype)
-        with torch.no_grad():
-            draft.embed_tokens.weight.copy_(decoder.embed_tokens.weight)
-            for i in range(num_layers):
-                _load_layer(draft.layers[i], decoder.layers[i], i + 1)
-            draft.norm.load_state_dict(decoder.norm.state_dict())
-            if draft_vocab is not None:
-                draft.lm_head.weight.copy_(head[draft_vocab.to(head.device)])
-                draft.d2t.copy_(draft_vocab)
-            elif not config.tie_word_embeddings:
-                draft.lm_head.weight.copy_(head)
-        return draft.eval()
-
-    # --- a plain transformers model of the main stream ----------------------------------------------------------
-    @torch.no_grad()
     def to_llama(self):
-        """The main stream as a plain `LlamaForCausalLM` over the whole vocabulary, for transformers' own assisted
-        generation (`generate(assistant_model=...)`), which knows nothing of streams or reduced heads.
-
-        Same embeddings, layers (a multi-stream layer's main stream is a Llama layer) and norm; the head is scattered
-        to the full vocabulary through d2t, ids outside the draft's vocabulary get a zero row (logit 0, far below a
-        real top logit, so practically never proposed). Feature-conditioned drafts are refused: transformers cannot
-        feed them the target's hidden states.
-        """
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        c = self.config
-        if c.feature_conditioning != "none":
-            raise MirrorTrainError("a feature-conditioned draft has no plain-LM form (it reads the target's states)")
-        llama_config = LlamaConfig(
-            vocab_size=c.vocab_size,
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_hidden_layers=c.num_hidden_layers,
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
-            hidden_act=c.hidden_act,
-            rms_norm_eps=c.rms_norm_eps,
-            rope_parameters=c.rope_parameters,
-            max_position_embeddings=c.max_position_embeddings,
-            tie_word_embeddings=False,
-            attention_bias=c.attention_bias,
-            mlp_bias=c.mlp_bias,
-            pad_token_id=c.pad_token_id,
-            bos_token_id=c.bos_token_id,
-            eos_token_id=c.eos_token_id,
-        )
-        llama = LlamaForCausalLM(llama_config).to(device=self.device, dtype=self.dtype).eval()
-        state = {
-            f"model.{k}": v
-            for k, v in self.state_dict().items()
-            if k.split(".")[0] in ("embed_tokens", "layers", "norm")
-        }
-        head = torch.zeros_like(llama.lm_head.weight)
-        rows = self.d2t if self.d2t is not None else torch.arange(c.vocab_size, device=head.device)
-        head[rows] = self.lm_head.weight
-        state["lm_head.weight"] = head
-        missing, unexpected = llama.load_state_dict(state, strict=False)
-        if [k for k in missing if "rotary" not in k] or unexpected:
-            raise MirrorTrainError(f"draft → Llama: missing {missing}, unexpected {unexpected}")
-        return llama
+        """The main stream as a plain `LlamaForCausalLM`: see `draft_surgery.plain_llama`."""
+        return plain_llama(self)
 
     # --- the engine's interface: tree-batched forwards over the KV cache ----------------------------------------
     @torch.no_grad()
@@ -531,68 +311,6 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
             num_streams=num_streams,
             logits_index=logits_index,
         )
-
-
-def check_compatible(drafter: MirrorDrafterForCausalLM, target_model, tokenizer=None) -> None:
-    """Raise MirrorTrainError unless `drafter` can draft for `target_model` (a transformers model or a `Target`).
-
-    Checks the vocabulary size, the feature-conditioning target layer, and with a tokenizer the stored target
-    signature (tokenizer fingerprint included; a draft without a stored signature gets the vocabulary check only).
-    """
-    model, tokenizer = _unwrap_target(target_model, tokenizer)
-    dc, tc = drafter.config, model.config
-    vocab = model.get_output_embeddings().weight.shape[0]
-    if dc.vocab_size != vocab:
-        raise MirrorTrainError(
-            f"the draft's vocabulary has {dc.vocab_size} ids, the target's {vocab}: they do not share a tokenizer"
-        )
-    if dc.feature_conditioning == "target_hidden":
-        n = len(model.get_decoder().layers)
-        if dc.target_hidden_size != tc.hidden_size or not 1 <= (dc.target_exit_layer or 0) < n:
-            raise MirrorTrainError(
-                f"the draft reads a target hidden state of width {dc.target_hidden_size} at layer "
-                f"{dc.target_exit_layer}; the target has width {tc.hidden_size} and {n} layers"
-            )
-    if tokenizer is None:
-        return
-    if dc.target is None:
-        if len(tokenizer) > vocab:
-            raise MirrorTrainError(f"the tokenizer has {len(tokenizer)} tokens, more than the draft's {vocab} ids")
-        return
-    from mirror_train.export import TargetSignature
-
-    here = TargetSignature.of(tc, tokenizer, getattr(tc, "name_or_path", "") or "unknown")
-    TargetSignature.from_dict(dc.target).check_matches(here, what="draft model")
-
-
-def _unwrap_target(target_model, tokenizer):
-    """A transformers model and a tokenizer from either a model or a mirror_train `Target`."""
-    from mirror_train.target import Target
-
-    if isinstance(target_model, Target):
-        return target_model.model, tokenizer if tokenizer is not None else target_model.tokenizer
-    return target_model, tokenizer
-
-
-def _check_llama_shaped(tc) -> None:
-    """Refuse target families whose layers load into Llama's names but compute something else."""
-    if tc.model_type.startswith("gemma"):
-        raise MirrorTrainError(
-            f"cannot build a draft from a {tc.model_type} target: it scales embeddings and uses (1 + w) norms"
-        )
-    sliding = getattr(tc, "sliding_window", None) and getattr(tc, "use_sliding_window", True)
-    if sliding or "sliding_attention" in (getattr(tc, "layer_types", None) or ()):
-        raise MirrorTrainError(f"cannot build a draft from a {tc.model_type} target with sliding-window attention")
-    if getattr(tc, "final_logit_softcapping", None):
-        raise MirrorTrainError(f"cannot build a draft from a {tc.model_type} target with logit soft-capping")
-
-
-def _load_layer(draft_layer: nn.Module, target_layer: nn.Module, number: int) -> None:
-    try:
-        draft_layer.load_state_dict(target_layer.state_dict())
-    except RuntimeError as err:
-        reason = str(err).strip().splitlines()[1].strip() if len(str(err).splitlines()) > 1 else str(err)
-        raise MirrorTrainError(f"target layer {number} is not Llama-shaped: {reason}") from None
 
 
 AutoConfig.register(MirrorDrafterConfig.model_type, MirrorDrafterConfig, exist_ok=True)

@@ -200,15 +200,9 @@ class MultiStreamDecoderLayer(LlamaDecoderLayer):
     The streams go through the same norms, attention projections and MLP as the main stream.
     """
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        streams: torch.Tensor | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor,
-        cache=None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden (B, T, H), streams (B, T, S, H) or None → the same two after this layer."""
+    def forward(self, hidden, streams, position_embeddings, attention_mask, cache=None):
+        """hidden (B, T, H), streams (B, T, S, H) or None → the same two after this layer; the other arguments
+        as `multi_stream_attention` takes them."""
         xs = None if streams is None else self.input_layernorm(streams)
         a, a_s = multi_stream_attention(
             self.self_attn, self.input_layernorm(hidden), xs, position_embeddings, attention_mask, cache

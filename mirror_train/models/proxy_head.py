@@ -25,8 +25,11 @@ from typing import Literal
 import torch
 from torch import nn
 
+from mirror_train.config import config_from_dict
 from mirror_train.errors import MirrorTrainError
+from mirror_train.export import CardText, load_artifact, save_artifact
 from mirror_train.metrics import check_kappa
+from mirror_train.target import check_exit_layer
 
 KINDS = ("lens", "residual", "mlp", "lora_head", "attention")
 OUTSIDE_LOGP = -30.0  # log-prob reported for a token outside a restricted candidate vocabulary (p ≈ 1e-13)
@@ -296,8 +299,6 @@ class HeadEnd(nn.Module):
         self._softcap = softcap
 
     def check_exit_layer(self, exit_layer: int) -> int:
-        from mirror_train.target import check_exit_layer
-
         return check_exit_layer(exit_layer, self.num_layers)
 
     @classmethod
@@ -329,8 +330,6 @@ def save_proxy_head(head: ProxyHead, out_dir, target, results_markdown: str | No
     """Export a self-describing artifact: config (kind, ℓe, κ, sizes), safetensors, the target, a model card."""
     from dataclasses import asdict
 
-    from mirror_train.export import model_card, save_artifact
-
     config = {**asdict(head.cfg), "hidden_size": head.hidden_size, "num_parameters": head.num_parameters()}
     config.update(extra or {})
     usage = (
@@ -338,14 +337,6 @@ def save_proxy_head(head: ProxyHead, out_dir, target, results_markdown: str | No
         "from mirror_train.target import Target\n\n"
         "target = Target.load(...)  # the target this head belongs to\nhead = load_proxy_head(PATH, target)\n"
         f"state = target.prefix(ids, cache, {head.cfg.exit_layer})\nids, logp = head.candidates(state.hidden)\n```"
-    )
-    card = model_card(
-        kind=ARTIFACT_KIND,
-        title=f"{head.cfg.kind} proxy head at layer {head.cfg.exit_layer} for {target.name_or_path}",
-        target=target.signature(),
-        config=config,
-        results_markdown=results_markdown,
-        usage=usage,
     )
     state = head.trainable_state_dict()
     if head.ranking is not None:  # the engine's candidate vocabulary comes from it (`restrict`)
@@ -356,15 +347,16 @@ def save_proxy_head(head: ProxyHead, out_dir, target, results_markdown: str | No
         config=config,
         state_dict=state,
         target=target.signature(),
-        card=card,
+        card=CardText(
+            f"{head.cfg.kind} proxy head at layer {head.cfg.exit_layer} for {target.name_or_path}",
+            usage,
+            results_markdown,
+        ),
     )
 
 
 def load_proxy_head(path, target, exit_layer: int | None = None) -> ProxyHead:
     """Load an exported head, check it belongs to `target` (and to `exit_layer` if given), bind it."""
-    from mirror_train.config import config_from_dict
-    from mirror_train.export import load_artifact
-
     meta, state, _ = load_artifact(path, expected_kind=ARTIFACT_KIND, target=target.signature())
     stored = dict(meta["config"])
     hidden_size = stored.pop("hidden_size")
