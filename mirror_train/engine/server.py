@@ -35,6 +35,7 @@ import torch
 from mirror_train.engine.branches import fit_budget, rank_branches, rollout_line
 from mirror_train.engine.messages import Branches, Ping, Pong, Start, Verdict, Window
 from mirror_train.engine.ngram import NgramIndex
+from mirror_train.engine.node_states import StateTable, as_states, complete, join
 from mirror_train.engine.rollout import Rollout
 from mirror_train.engine.window import Calibration, best_length, prob_key, rollout_pays
 from mirror_train.models.drafter_config import TARGET_SLOTS
@@ -93,7 +94,7 @@ class DraftServer:
         self.target_slots = [s for s in self.widths if s in TARGET_SLOTS]
         self.own = "own" in self.widths
         self.refeed = self.own or "final" in self.widths  # module docstring
-        self.states = {slot: _States() for slot in self.target_slots}  # of tokens[:-1]
+        self.states = {slot: StateTable() for slot in self.target_slots}  # of tokens[:-1]
         self.window_states: torch.Tensor | None = None  # this step's ℓe states: the newest committed token, window
         self.look_ahead = False  # Mirror-SD: draft on past the window while the target runs its prefix
         self.ahead: Rollout | None = None  # the draft's own continuation past the window (look-ahead), this step
@@ -124,7 +125,7 @@ class DraftServer:
             self.ngram.reset(msg.prompt)
         self.look_ahead, self.ahead = bool(msg.look_ahead), None
         self.tokens = list(msg.prompt)
-        self.states = {slot: _States() for slot in self.target_slots}
+        self.states = {slot: StateTable() for slot in self.target_slots}
         self.window_states = None
         self._append_states(msg.states, len(self.tokens) - 1, "the prompt")
         if self.backend is not None:
@@ -143,7 +144,7 @@ class DraftServer:
         deadline = None if msg.deadline_ms is None else msg.deadline_ms * DEADLINE_SHARE
         exit_states = None
         if "exit" in self.target_slots or msg.candidates is None:  # the draft or the head here reads them
-            exit_states = _tensor((msg.states or {}).get("exit"), 1 + len(self.window), "the window")
+            exit_states = as_states((msg.states or {}).get("exit"), 1 + len(self.window), "the window")
         candidates = msg.candidates
         if candidates is None:  # the proxy head runs here, on the window's ℓe states
             ids, logp, window_logp = self.head.window_candidates(
@@ -177,7 +178,7 @@ class DraftServer:
             if ahead:
                 blocks.append(self._ahead_nodes())
             blocks += [self._root(r) for r, _, _ in chosen]
-            features = _join(blocks)
+            features = join(blocks)
         start = time.perf_counter()
         rollouts = self.backend.rollout(spine + ahead, branches, depth, features) if branches else []
         self.branch_ms = (time.perf_counter() - start) * 1000
@@ -319,7 +320,7 @@ class DraftServer:
         features = None
         if self.conditioned:
             tail_block = self._drafted(len(tail.tokens), tail.pairs)
-            features = _join([self._committed(self.cached, len(committed)), tail_block])
+            features = join([self._committed(self.cached, len(committed)), tail_block])
         return self.backend.rollout(spine, [(len(spine) - 1, None)], n, features)[0]
 
     def _then_look_ahead(self, keep: int, prefix_ms: float | None):
@@ -366,7 +367,7 @@ class DraftServer:
         """Time rollouts of 1 and of the whole budget on the fresh context, so `fit_budget` has a line to fit."""
         last = self.tokens[-1]
         for n in (1, self.branch_budget, 1, self.branch_budget):
-            features = _join([self._committed(len(self.tokens) - 1, 1)] + [self._drafted(1, None)] * n)
+            features = join([self._committed(len(self.tokens) - 1, 1)] + [self._drafted(1, None)] * n)
             start = time.perf_counter()
             self.backend.rollout([last], [(0, last)] * n, self.gamma, features)
             self.samples.append((n, (time.perf_counter() - start) * 1000))
@@ -375,7 +376,7 @@ class DraftServer:
     # --- what the fed nodes read (module docstring) ----------------------------------------------------------
     def _append_states(self, states, rows: int, what: str) -> None:
         for slot in self.target_slots:
-            self.states[slot].append(_tensor((states or {}).get(slot), rows, what))
+            self.states[slot].append(as_states((states or {}).get(slot), rows, what))
 
     def _committed(self, first: int, n: int) -> dict[str, torch.Tensor] | None:
         """What committed tokens first..first+n-1 read: the target's states of the tokens before them."""
@@ -395,7 +396,7 @@ class DraftServer:
             block["own"] = pairs[:n] if pairs is not None else torch.zeros(n, self.widths["own"])
         if exit_rows is not None and "exit" in self.widths:
             block["exit"] = exit_rows[:n]
-        return _complete(block, n, self.widths)
+        return complete(block, n, self.widths)
 
     def _window_nodes(self, exit_known: bool) -> dict:
         """The window's tokens d_1..d_γ: own pairs, and d_{i-1}'s ℓe state once the target has run its prefix."""
@@ -424,19 +425,6 @@ class DraftServer:
         return self._drafted(1, pair, exit_rows)
 
 
-def _complete(block: dict, n: int, widths: dict[str, int]) -> dict:
-    """`block` with every slot of the draft present: zeros (n, width) for the slots it lacks."""
-    return {slot: block[slot] if slot in block else torch.zeros(n, width) for slot, width in widths.items()}
-
-
-def _join(blocks: list) -> dict | None:
-    """Row blocks of features (slot → (n_i, w)) concatenated slot by slot; None where no block has any slot."""
-    blocks = [b for b in blocks if b]
-    if not blocks:
-        return None
-    return {slot: torch.cat([b[slot].float() for b in blocks]) for slot in blocks[0]}
-
-
 def _joined(first: Rollout, skip: int, rest: Rollout | None, n: int) -> Rollout:
     """first's tokens from `skip` on, then rest's, n at most: a window assembled from two rollouts (a look-ahead and
     its completion, a short branch and its extension), with their log-probs and pairs."""
@@ -445,37 +433,3 @@ def _joined(first: Rollout, skip: int, rest: Rollout | None, n: int) -> Rollout:
     logprobs = [lp for r, k in parts for lp in r.logprobs[k:]][:n]
     pairs = [r.pairs[k:] for r, k in parts if r.pairs is not None and len(r.pairs) > k]
     return Rollout(tokens, logprobs, rest.num_forwards if rest else 0, [], torch.cat(pairs)[:n] if pairs else None)
-
-
-class _States:
-    """A growing (n, H) float32 table of committed tokens' target states, appended to every step."""
-
-    def __init__(self):
-        self.data: torch.Tensor | None = None
-        self.n = 0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def append(self, rows: torch.Tensor) -> None:
-        if self.data is None:
-            self.data = torch.zeros(max(2 * len(rows), 64), rows.shape[1])
-        if self.n + len(rows) > len(self.data):  # double: appends stay amortised O(rows)
-            grown = torch.zeros(2 * (self.n + len(rows)), self.data.shape[1])
-            grown[: self.n] = self.data[: self.n]
-            self.data = grown
-        self.data[self.n : self.n + len(rows)] = rows
-        self.n += len(rows)
-
-    def row(self, i: int) -> torch.Tensor:
-        return self.data[i]
-
-
-def _tensor(states, rows: int, what: str) -> torch.Tensor:
-    """`states` as a float32 (rows, H) tensor, or a clear error (a feature-conditioned draft cannot do without)."""
-    if states is None:
-        raise ValueError(f"a feature-conditioned draft needs the target's states of {what}; none came")
-    states = torch.as_tensor(states, dtype=torch.float32)
-    if states.dim() != 2 or states.shape[0] < rows:
-        raise ValueError(f"the target's states of {what}: expected ({rows}, H), got {tuple(states.shape)}")
-    return states[:rows] if states.shape[0] > rows else states
