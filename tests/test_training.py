@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -38,3 +43,18 @@ def test_budget_by_steps_and_by_time(monkeypatch):
     assert timed.progress(10) == pytest.approx(0.25)  # half a minute carried over from before a resume
     clock[0] += 90  # 1.5 more minutes
     assert timed.done(10) and timed.minutes() == pytest.approx(2.0)
+
+
+def test_a_time_budget_that_runs_out_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    # Two real processes over gloo (torchrun): rank 1's budget is spent at step 3, rank 0's at 50. A rank that
+    # stopped alone would leave the other waiting in a collective; both must stop at 3 and checkpoint step 3 once.
+    script = Path(__file__).parent / "helpers" / "two_ranks_budget.py"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(line for line in done.stdout.splitlines() if "stopped" in line) == [
+        "rank 0 stopped at step 3",
+        "rank 1 stopped at step 3",
+    ]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_3"]
