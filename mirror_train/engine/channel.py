@@ -153,6 +153,8 @@ class GlooTransport:
             data = torch.empty(int(size.item()), dtype=torch.uint8)
             dist.recv(data, self.peer)
         except RuntimeError as e:
+            if timeout_s is not None and "Timed out" in str(e):  # gloo raises its own timeout instead of False
+                raise DraftUnavailable(f"the draft did not answer within {timeout_s:g} s") from None
             raise DraftUnavailable(f"the draft's gloo channel failed: {str(e).splitlines()[0]}") from None
         return pickle.loads(data.numpy().tobytes())
 
