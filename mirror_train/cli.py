@@ -112,7 +112,7 @@ def _distill_data(ns: argparse.Namespace) -> None:
 
     cfg = options_to_dataclass(SelfDistillConfig, ns)
     cfg.validate()
-    path = generate_selfdistill(cfg, ns.out, Target.load(ns.model))
+    path = generate_selfdistill(cfg, ns.out, Target.load(ns.model, device=ns.device))
     print(f"wrote {path}")
 
 
@@ -120,7 +120,13 @@ def _add_distill_data(sub) -> None:
     from mirror_train.data.selfdistill import SelfDistillConfig
 
     p = sub.add_parser("distill-data", help="the target answers prompts: a resumable self-distillation dataset")
-    p.add_argument("--model", default="testbed")
+    p.add_argument("--model", default="testbed", help="testbed, a local HF directory or a Hub id (default: testbed)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="where the model answers: auto (CUDA when present, else the CPU), cpu, cuda, cuda:N or mps "
+        "(default: auto)",
+    )
     p.add_argument("--out", required=True, help="output directory (re-run the same command to resume)")
     add_dataclass_options(p, SelfDistillConfig)
     p.set_defaults(func=_distill_data)

@@ -1,27 +1,34 @@
 """Devices are parameters: one function turns a user's device string into a checked `torch.device`.
 
 Checking here, before any model is loaded or worker started, turns "cuda:1 on a one-GPU machine" into one clear
-sentence instead of a CUDA error deep inside a forward.
+sentence instead of a CUDA error deep inside a forward. "auto" (every device setting's default) is CUDA where
+there is a GPU, else the CPU.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 
 from mirror_train.errors import MirrorTrainError
 
+DEVICE_HELP = "auto (CUDA when present, else the CPU), cpu, cuda, cuda:N or mps"
+
 
 def resolve_device(spec: str | torch.device | None) -> torch.device:
-    """Parse and check a device string (`cpu`, `cuda`, `cuda:1`, `mps`); `None` means `cpu`."""
+    """Parse and check a device string (`auto`, `cpu`, `cuda`, `cuda:1`, `mps`); `None` means `cpu`."""
     if spec is None:
         return torch.device("cpu")
+    if spec == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
         device = torch.device(spec)
     except (RuntimeError, TypeError):
-        raise MirrorTrainError(f"not a device: {spec!r} (expected cpu, cuda, cuda:N or mps)") from None
+        raise MirrorTrainError(f"not a device: {spec!r} (expected {DEVICE_HELP})") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise MirrorTrainError(f"device {spec!r} requested but CUDA is not available on this machine")
@@ -33,6 +40,32 @@ def resolve_device(spec: str | torch.device | None) -> torch.device:
     elif device.type not in ("cpu", "cuda", "mps"):
         raise MirrorTrainError(f"unsupported device type {device.type!r} in {spec!r}")
     return device
+
+
+def draft_device(spec: str, target: str | torch.device) -> torch.device:
+    """Where the draft runs: `spec`, or for "auto" the next GPU after the target's when there is one (the paper's
+    two devices), the target's own GPU on a one-GPU machine (a second process beside the target), else the CPU."""
+    if spec != "auto":
+        return resolve_device(spec)
+    target = resolve_device(target)
+    if target.type != "cuda":
+        return torch.device("cpu")
+    index = target.index if target.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", (index + 1) % torch.cuda.device_count())
+
+
+def clock(device: str | torch.device) -> Callable[[], float]:
+    """`time.perf_counter` that first waits for the device's queued work: a CUDA kernel returns at launch, so
+    timings that size the engine's windows and branch budget would otherwise read the launch, not the work."""
+    device = resolve_device(device)
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
 
 
 def fast_bf16(device: str | torch.device) -> bool:

@@ -26,6 +26,7 @@ from mirror_train.target import Target
 @dataclass
 class SweepConfig:
     model: str = "testbed"  # testbed, a local HF directory or a Hub id
+    device: str = "auto"  # where the model runs: auto (CUDA when present, else the CPU), cpu, cuda, cuda:N or mps
     prompts: str | None = None  # JSONL; default: the shared training prompts
     num_prompts: int = 32  # a seeded sample of the prompts, answered by the model itself
     max_new_tokens: int = 96  # per answer
@@ -51,7 +52,7 @@ def answer_positions(prompt_len: int, answer_len: int) -> slice:
 def run_sweep(cfg: SweepConfig, target: Target | None = None) -> dict:
     kappas = [check_kappa(k) for k in parse_int_list(cfg.kappas, "kappas")]
     prompts = load_prompts(cfg.prompts, limit=cfg.num_prompts, seed=cfg.seed)
-    target = target or Target.load(cfg.model)
+    target = target or Target.load(cfg.model, device=cfg.device)
     n = target.num_layers
     layers = list(range(1, n)) if cfg.layers == "all" else parse_int_list(cfg.layers, "layers")
     for layer in layers:

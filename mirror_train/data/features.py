@@ -311,7 +311,7 @@ def pack_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     computes exactly what it computes on the padded rows.
     """
     real = batch["mask"].bool()  # (B, T)
-    rows = torch.arange(real.shape[0])[:, None].expand_as(real)
+    rows = torch.arange(real.shape[0], device=real.device)[:, None].expand_as(real)
     packed = {name: value[real][None] for name, value in batch.items()}  # row-major: the windows in order
     packed["segments"] = rows[real][None]
     packed["position_ids"] = (real.long().cumsum(1) - 1)[real][None]

@@ -64,6 +64,7 @@ def build_server(spec: dict):
         spec.get("kappa", 4),
         spec.get("ngram_tokens", 0),
         spec.get("adaptive_window", False),
+        spec.get("device", "cpu"),
     )
 
 

@@ -7,8 +7,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 from mirror_train import fastpath
-from mirror_train.devices import resolve_device, resolve_dtype
+from mirror_train.devices import draft_device, resolve_device, resolve_dtype
 from mirror_train.errors import MirrorTrainError
 from mirror_train.metrics import check_kappa
 
@@ -26,10 +28,14 @@ class EngineConfig:
     temperature: float = 0.0  # 0: greedy; else the target's tokens are samples at this temperature
     seed: int = 0  # of the target's sampling (each generate call restarts it)
     placement: Literal["process", "gloo", "local"] = "process"  # where the draft runs (channel.py)
-    target_device: str = "cpu"  # checked before any worker starts: cpu, cuda, cuda:N or mps
-    draft_device: str = "cpu"  # where the draft worker loads the draft (cuda:1: a second GPU)
-    target_core: int | None = 0  # CPU core for the target's thread while generating (None: leave as is)
-    draft_core: int | None = 1  # CPU core of the draft worker (None: any)
+    # Where the served target runs (cpu, cuda, cuda:N, mps): a target loaded elsewhere is refused, naming this
+    # setting. auto: where the given target is; commands that load it (specbench) load it on CUDA when present.
+    target_device: str = "auto"
+    # Where the draft worker runs: auto = the next GPU after the target's, the target's GPU on a one-GPU machine,
+    # else the CPU (the paper's pairing of a GPU target and CPU draft: draft_device=cpu).
+    draft_device: str = "auto"
+    target_core: int | None = 0  # CPU core for the target's thread while generating, when it runs on the CPU
+    draft_core: int | None = 1  # CPU core of the draft worker, when the draft runs on the CPU (None: any)
     threads: int = 1  # intra-op threads on each side
     gloo_port: int = 29533  # placement=gloo: the TCP port of the draft's torch.distributed peer
     timeout_s: float = 60.0  # a draft silent for this long is taken for dead
@@ -74,15 +80,21 @@ class EngineConfig:
             raise MirrorTrainError(f"ngram_tokens must be in 0..{MAX_GAMMA}, got {self.ngram_tokens}")
         if self.threads < 1 or self.timeout_s <= 0:
             raise MirrorTrainError("threads must be ≥ 1 and timeout_s > 0")
+        target, draft = self.devices()
         pins = self.placement != "local" and hasattr(os, "sched_getaffinity")  # local: nothing is pinned
         cores = os.sched_getaffinity(0) if pins else set()
-        for name in ("target_core", "draft_core") if pins else ():
+        for name, device in (("target_core", target), ("draft_core", draft)) if pins else ():
             core = getattr(self, name)
-            if core is not None and core not in cores:
+            if core is not None and device.type == "cpu" and core not in cores:
                 raise MirrorTrainError(f"{name}={core} is not a core this process may use ({sorted(cores)})")
-        resolve_device(self.target_device)
-        resolve_dtype(self.draft_dtype, self.draft_device)
-        fastpath.resolve(self.fast_path, self.draft_device)
+        resolve_dtype(self.draft_dtype, draft)
+        fastpath.resolve(self.fast_path, draft)
+
+    def devices(self) -> tuple[torch.device, torch.device]:
+        """(the target's device, the draft's), "auto" resolved and both checked (a device that is not there is a
+        one-line error)."""
+        target = resolve_device(self.target_device)
+        return target, draft_device(self.draft_device, target)
 
 
 @dataclass

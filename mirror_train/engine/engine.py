@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mirror_train import fastpath
-from mirror_train.devices import pinned
+from mirror_train.devices import clock, pinned, resolve_device
 from mirror_train.engine.acceptance import accept, target_tokens, truncate
 from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDraft
 from mirror_train.engine.config import METHODS, EngineConfig, Generation, StepStats
@@ -63,7 +63,13 @@ class MirrorEngine:
     def __init__(self, target, proxy_head=None, draft=None, config: EngineConfig | None = None):
         self.config = cfg = config or EngineConfig()
         cfg.validate()
+        if cfg.target_device != "auto" and target.device != resolve_device(cfg.target_device):
+            raise MirrorTrainError(
+                f"the target is on {target.device}, target_device is {cfg.target_device}: load it there "
+                "(Target.load(..., device=...)) or leave target_device at auto"
+            )
         self.target = target
+        self._now = clock(target.device)  # step times size windows and branches: they must include the device work
         if target.dtype != torch.float32 and not target.exact_windows:
             warnings.warn(
                 f"the target computes in {target.dtype} and this machine's matmuls round a row differently by how "
@@ -103,7 +109,8 @@ class MirrorEngine:
             self.draft = LocalDraft(self.spec)
         else:
             port = cfg.gloo_port if cfg.placement == "gloo" else None
-            self.draft = ProcessDraft(self.spec, cfg.draft_core, cfg.threads, gloo_port=port)
+            core = cfg.draft_core if self.spec["device"] == "cpu" else None  # cores are for a CPU draft only
+            self.draft = ProcessDraft(self.spec, core, cfg.threads, gloo_port=port)
             self.channel_ms = self._ping()
         return self
 
@@ -224,7 +231,8 @@ class MirrorEngine:
             max_new_tokens=max_new_tokens,
             reference=list(reference) if reference is not None else None,
         )
-        with pinned(cfg.target_core if cfg.placement != "local" else None, cfg.threads):
+        core = cfg.target_core if cfg.placement != "local" and self.target.device.type == "cpu" else None
+        with pinned(core, cfg.threads):
             if method != "ar" and cfg.adaptive_window and self._costs is None:
                 self._costs = self._measure_costs()
             seq.channel = self._pld_channel() if method == "pld" else self.draft if method != "ar" else None
@@ -256,7 +264,7 @@ class MirrorEngine:
         states = {"exit": hidden[0], "final": final[0]}
         if slots and not early:
             self._send(seq, self._start_message(seq, {slot: states[slot][:-1] for slot in slots}))
-        t0 = time.perf_counter()
+        t0 = self._now()
         first = target_tokens(last, cfg.temperature, cfg.seed, 0)[0]
         seq.new, seq.done = truncate([first], seq.stops, seq.max_new_tokens)
         stats = StepStats(committed=len(seq.new), accepted=0, window=0)
@@ -268,7 +276,7 @@ class MirrorEngine:
                 self._send(seq, verdict)
                 reply = self._receive(seq)
                 seq.window = list(reply.tokens) if reply is not None else []
-        stats.step_ms = stats.wait_ms = stats.predicted_ms = (time.perf_counter() - t0) * 1e3
+        stats.step_ms = stats.wait_ms = stats.predicted_ms = (self._now() - t0) * 1e3
         seq.pending, seq.cached = first, len(seq.ids)
         return stats
 
@@ -277,21 +285,21 @@ class MirrorEngine:
         acceptance; the cache rolled back to the committed tokens; the verdict, answered by the next window."""
         cfg, target, head = self.config, self.target, self.head
         window, slots = seq.window, self.draft_slots if seq.method in ("sd", "mirror") else []
-        t0 = time.perf_counter()
+        t0 = self._now()
         stats = StepStats(committed=0, accepted=0, window=len(window))
         state = target.prefix(torch.tensor([[seq.pending] + window], device=target.device), seq.cache, self.exit_layer)
-        t1 = t2 = t3 = time.perf_counter()
+        t1 = t2 = t3 = self._now()
         asked = False
         if seq.method == "mirror" and seq.channel is not None:  # an empty window too: branches for c* alone
             exit_states = {"exit": state.hidden[0]} if "exit" in slots or cfg.head_placement == "draft" else None
             candidates = None
             if cfg.head_placement == "target":
                 candidates = Candidates(*head.window_candidates(state.hidden[0], window, cfg.kappa, seq.head_cache))
-            t2 = time.perf_counter()
+            t2 = self._now()
             asked = self._send(seq, Branches(self._suffix_ms, candidates, _wire(exit_states)))
-            t3 = time.perf_counter()
+            t3 = self._now()
         logits, final = target.suffix_states(state)  # (1, γ+1, V), (1, γ+1, H)
-        t4 = time.perf_counter()
+        t4 = self._now()
         y = target_tokens(logits[0], cfg.temperature, cfg.seed, len(seq.new))
         accepted, correction = accept(window, y)
         seq.cached += 1 + accepted
@@ -301,7 +309,7 @@ class MirrorEngine:
         out, seq.done = truncate(seq.new + window[:accepted] + [correction], seq.stops, seq.max_new_tokens)
         chunk, seq.new = out[len(seq.new) :], out
         self._verify_samples.append((len(window), (t1 - t0 + t4 - t3) * 1e3))
-        t5 = time.perf_counter()
+        t5 = self._now()
         info, seq.window = {}, []
         if seq.channel is not None and not seq.done:
             committed = {"exit": state.hidden[0], "final": final[0]}
@@ -313,7 +321,7 @@ class MirrorEngine:
                 reply = self._receive(seq)
                 if reply is not None:
                     seq.window, info = list(reply.tokens), reply.info
-        t6 = time.perf_counter()
+        t6 = self._now()
         stats.committed, stats.accepted = len(chunk), accepted
         stats.prefix_ms, stats.head_ms, stats.send_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
         stats.suffix_ms, stats.wait_ms, stats.step_ms = (t4 - t3) * 1e3, (t6 - t5) * 1e3, (t6 - t0) * 1e3
@@ -411,9 +419,9 @@ class MirrorEngine:
         widths = sorted({0, 1, 2, *range(4, self._widest() + 1, 4), self._widest()})
         for _ in range(repeats):
             for w in widths:
-                start = time.perf_counter()
+                start = self._now()
                 target.forward(ids[:, context : context + w + 1].to(target.device), cache)
-                self._verify_samples.append((w, (time.perf_counter() - start) * 1e3))
+                self._verify_samples.append((w, (self._now() - start) * 1e3))
                 Target.crop(cache, context)
         return fit_costs(self._verify_samples, self._widest())
 

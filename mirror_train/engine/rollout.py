@@ -164,7 +164,9 @@ def rollout_nodes(
             drafted[b] += chosen[b]
             logprobs[b] += logp[b].tolist()
             if own:
-                pairs[b] += list(states[b].float())
+                pairs[b] += list(
+                    states[b].float().cpu()
+                )  # the server keeps them beside the target's states, on the CPU
             if len(drafted[b]) < gamma:  # feed them for the next pass, chained after the branch's last node
                 for token in chosen[b]:
                     parents.append(chain[-1])

@@ -50,7 +50,8 @@ class DraftServer:
     """backend: a draft backend (drafts.py), or None for prompt lookup alone; head: a proxy head bound to a
     `HeadEnd`, when the proxy head runs on the draft's side (then Branches bring the target's ℓe states instead of
     candidates); kappa: its κ; ngram_tokens: the longest copied window (0: no prompt lookup); adaptive_window: cut
-    each window to its best length (module docstring; else the model's whole γ)."""
+    each window to its best length (module docstring; else the model's whole γ); device: where the draft and the
+    head compute."""
 
     def __init__(
         self,
@@ -61,8 +62,10 @@ class DraftServer:
         kappa: int = 4,
         ngram_tokens: int = 0,
         adaptive_window: bool = False,
+        device: str | torch.device = "cpu",
     ):
         self.backend = backend
+        self.device = torch.device(device)  # the draft's and a head's here: the target's states arrive on the CPU
         self.ngram = NgramIndex() if ngram_tokens else None
         self.ngram_tokens = ngram_tokens
         self.adaptive_window = adaptive_window
@@ -148,7 +151,7 @@ class DraftServer:
         candidates = msg.candidates
         if candidates is None:  # the proxy head runs here, on the window's ℓe states
             ids, logp, window_logp = self.head.window_candidates(
-                exit_states.to(self.head.dtype), self.window, self.kappa
+                exit_states.to(self.device, self.head.dtype), self.window, self.kappa
             )
             if deadline is not None:  # the head's time here comes out of the rollout's share of the target's suffix
                 deadline -= (time.perf_counter() - start) * 1000

@@ -12,7 +12,7 @@ from dataclasses import asdict
 import torch
 from transformers import AutoConfig
 
-from mirror_train.devices import resolve_dtype
+from mirror_train.devices import draft_device, resolve_dtype
 from mirror_train.engine.config import EngineConfig
 from mirror_train.engine.drafts import SyntheticDraftConfig
 from mirror_train.errors import MirrorTrainError
@@ -48,8 +48,10 @@ def draft_spec(target: Target, cfg: EngineConfig, draft, head: ProxyHead, workdi
     draft: an exported draft's path, a `MirrorDrafterForCausalLM` (saved into `workdir`) or a
     `SyntheticDraftConfig`. With `head_placement="draft"` the head's bundle is written into `workdir` too.
     """
-    dtype = str(resolve_dtype(cfg.draft_dtype, cfg.draft_device)).removeprefix("torch.")
+    device = draft_device(cfg.draft_device, target.device)
+    dtype = str(resolve_dtype(cfg.draft_dtype, device)).removeprefix("torch.")
     common = {
+        "device": str(device),
         "branch_budget": cfg.branch_budget,
         "adaptive_budget": cfg.adaptive_budget,
         "kappa": cfg.kappa,
@@ -81,7 +83,7 @@ def draft_spec(target: Target, cfg: EngineConfig, draft, head: ProxyHead, workdi
                 f"target at ℓe={head.cfg.exit_layer}: the engine computes one ℓe, so both must read the same layer"
             )
         slots = [slot for slot in TARGET_SLOTS if slot in (getattr(dc, "feature_slots", None) or ["exit"])]
-    spec = {"kind": "model", "path": path, "device": cfg.draft_device, "use_streams": cfg.use_streams, **common}
+    spec = {"kind": "model", "path": path, "use_streams": cfg.use_streams, **common}
     return spec, slots
 
 

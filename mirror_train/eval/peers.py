@@ -8,9 +8,9 @@ length), and the tokens a call committed are the growth of the cache to the next
 
 from __future__ import annotations
 
-import time
-
 import torch
+
+from mirror_train.devices import clock
 
 
 class ForwardCounter:
@@ -53,7 +53,8 @@ def hf_generate(target, ids: list[int], max_new_tokens: int, stops: list[int], m
     kwargs = {"assistant_model": assistant} if method == "assisted" else {"prompt_lookup_num_tokens": 10}
     input_ids = torch.tensor([ids], device=model.device)
     with torch.inference_mode(), ForwardCounter(model) as counter:
-        start = time.perf_counter()
+        now = clock(model.device)
+        start = now()
         out = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
@@ -66,7 +67,7 @@ def hf_generate(target, ids: list[int], max_new_tokens: int, stops: list[int], m
             pad_token_id=stops[0],
             **kwargs,
         )
-        seconds = time.perf_counter() - start
+        seconds = now() - start
     new = out[0, len(ids) :].tolist()
     cut = next((j + 1 for j, t in enumerate(new) if t in stops), len(new))
     new = new[:cut]

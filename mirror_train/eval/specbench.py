@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from mirror_train.devices import pinned, resolve_dtype
+from mirror_train.devices import pinned, resolve_device, resolve_dtype
 from mirror_train.engine import MirrorEngine
 from mirror_train.engine.config import EngineConfig
 from mirror_train.errors import MirrorTrainError
@@ -159,7 +159,9 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
     qpath = resolve_questions(cfg.questions, cfg.download, str(Path(cfg.cache_dir).expanduser()), cfg.checksum)
     cats = [c.strip() for c in cfg.categories.split(",")] if cfg.categories else None
     questions = load_questions(qpath, cats, cfg.limit_per_category)
-    target = Target.load(cfg.target, dtype=getattr(torch, cfg.target_dtype))
+    target = Target.load(
+        cfg.target, device=resolve_device(cfg.engine.target_device), dtype=getattr(torch, cfg.target_dtype)
+    )
     tok = target.tokenizer
     record = {
         "settings": cfg.settings() | {"proxy_head": _artifact_id(cfg.proxy_head), "draft": _artifact_id(cfg.draft)},
@@ -252,7 +254,8 @@ def _reads_target_states(draft: str) -> bool:
 
 def _pinned_hf(target, ids, cfg, stops, method, assistant, hf_generate):
     """A transformers peer on the target's core with one thread, as the engine's target runs."""
-    with pinned(cfg.engine.target_core if cfg.engine.placement != "local" else None, 1):
+    on_cpu = cfg.engine.placement != "local" and target.device.type == "cpu"
+    with pinned(cfg.engine.target_core if on_cpu else None, 1):
         return hf_generate(target, ids, cfg.max_new_tokens, stops, method, assistant)
 
 

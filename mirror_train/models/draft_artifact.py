@@ -55,9 +55,10 @@ def save_draft(model, out_dir, target, metrics: dict | None = None, extra: dict 
     return save_artifact(out_dir, **meta, state_dict=weights, card=CardText(title, usage, table), extra_files=files)
 
 
-def load_draft(path, target) -> MirrorDrafterForCausalLM:
+def load_draft(path, target, device=None) -> MirrorDrafterForCausalLM:
     """Load an exported draft and check that it belongs to `target` (tokenizer, vocabulary, layer count and, for a
-    feature-conditioned draft, the hidden state it reads) before it proposes a single token."""
+    feature-conditioned draft, the hidden state it reads) before it proposes a single token. It lands on `device`
+    (default: the target's)."""
     from transformers import AutoModelForCausalLM
 
     load_artifact(path, expected_kind=ARTIFACT_KIND, target=target.signature())  # refuses before the weights load
@@ -65,4 +66,4 @@ def load_draft(path, target) -> MirrorDrafterForCausalLM:
     if not isinstance(draft, MirrorDrafterForCausalLM):
         raise MirrorTrainError(f"{path} holds a {type(draft).__name__}, not a Mirror draft (MirrorDrafterForCausalLM)")
     check_compatible(draft, target)
-    return draft.eval()
+    return draft.to(device if device is not None else target.device).eval()

@@ -1,0 +1,379 @@
+"""Everything device-specific, checked and measured in one call, with no network: the GPU session's script.
+
+    python scripts/gpu_check.py                    # auto: CUDA when present (≤ 8 min on one GPU), else the CPU
+    python scripts/gpu_check.py --device cpu       # the same checks on the CPU (≤ 5 min; part of the test suite)
+
+Random weights only (the testbed's cannot travel to a GPU machine); the Spec-Bench questions come from ../shared.
+Checks, each timed, each a row of the table:
+  devices      a device that is not there is a one-line error; `auto` resolves; the row-invariance probe
+  recipes      both recipes (`accelerate launch`) for a few steps on a tiny random target on the device, export,
+               reload on the device (every parameter and buffer there)
+  placements   the engine with the exported pair, every placement this machine allows (worker process, gloo,
+               in-process; the draft on the target's device and on the CPU), every method: greedy output equal to
+               transformers' `generate` of the same served target, token for token
+  specbench    a one-question-per-task Spec-Bench run of the exported pair, every method lossless
+  synthetic    the synthetic-draft table on a random target of realistic size (a Llama-3-8B shape in bf16 on CUDA,
+               a small one on the CPU): ar vs serial SD vs Mirror-SD at acceptance 0.6-0.9, overlap efficiency
+Prints one Markdown table per part and writes `--out/gpu_check.json` (it names the device). Exit status 1 if any
+check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import transformers
+import yaml
+
+from mirror_train.devices import resolve_device
+from mirror_train.engine import EngineConfig, MirrorEngine, SyntheticDraftConfig
+from mirror_train.errors import MirrorTrainError
+from mirror_train.eval.score import score
+from mirror_train.eval.specbench import SpecBenchConfig, run_specbench
+from mirror_train.generation import encode_chat
+from mirror_train.models.draft_artifact import load_draft
+from mirror_train.models.proxy_head import load_proxy_head
+from mirror_train.random_models import LLAMA3_8B, llama_shaped, save_tiny_target
+from mirror_train.target import Target
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["how to write the a", "explain what this is", "write the of and to", "what is the you that"]
+
+
+def check(results: list, name: str, fn) -> object:
+    """Run one check, record (name, ok, seconds, detail) and return its value (None if it failed)."""
+    start = time.perf_counter()
+    try:
+        value, detail = fn()
+        ok = True
+    except Exception as err:  # a check that fails is a row of the table, not the end of the run
+        value, ok, detail = None, False, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        traceback.print_exc()
+    results.append({"check": name, "ok": ok, "seconds": round(time.perf_counter() - start, 1), "detail": detail})
+    print(f"{'PASS' if ok else 'FAIL'} {name} ({results[-1]['seconds']} s): {detail}", flush=True)
+    return value
+
+
+# --- devices ----------------------------------------------------------------------------------------------------
+def devices_check(device: torch.device):
+    try:
+        resolve_device(f"cuda:{max(torch.cuda.device_count(), 1) + 7}")
+        raise AssertionError("a missing CUDA device was accepted")
+    except MirrorTrainError as err:
+        missing = str(err)
+    assert "\n" not in missing
+    try:
+        EngineConfig(target_device="cuda:99").validate()
+        raise AssertionError("EngineConfig accepted a missing device")
+    except MirrorTrainError:
+        pass
+    from mirror_train import attention
+
+    probe = llama_shaped(
+        {
+            "vocab_size": 256,
+            "hidden_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "intermediate_size": 512,
+        },
+        device,
+        torch.float32,
+    )
+    invariant = attention.gemm_row_invariant(probe)
+    return {"auto": str(resolve_device("auto")), "row_invariant_float32": invariant}, (
+        f"auto → {resolve_device('auto')}; float32 GEMMs row-invariant here: {invariant}; missing device: '{missing}'"
+    )
+
+
+# --- recipes ----------------------------------------------------------------------------------------------------
+def _prompts_file(path: Path, n: int, prefix: str) -> str:
+    path.write_text(
+        "".join(json.dumps({"id": f"{prefix}{i}", "turns": [f"how to write the w{i}"]}) + "\n" for i in range(n))
+    )
+    return str(path)
+
+
+def _data_block(work: Path) -> dict:
+    return {
+        "dir": str(work / "data"),
+        "selfdistill": {
+            "prompts": _prompts_file(work / "train.jsonl", 16, "t"),
+            "num_prompts": 8,
+            "max_new_tokens": 12,
+        },
+        "forced_prompts": 4,
+        "heldout": {"prompts": _prompts_file(work / "held.jsonl", 4, "h"), "max_new_tokens": 12},
+        "top_k": 8,
+        "extra_layers": [4],
+    }
+
+
+def recipes_check(device: torch.device, work: Path, target_dir: Path):
+    launch = [
+        "accelerate",
+        "launch",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        *(["--cpu"] if device.type == "cpu" else []),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+    common = {"target": str(target_dir), "data": _data_block(work), "log": {"report_to": []}}
+    runs = {
+        "proxy_head": {
+            **common,
+            "output_dir": str(work / "proxy"),
+            "head": {"kind": "mlp", "exit_layer": 2, "mlp_hidden": 32},
+            "train": {"batch_size": 16, "max_steps": 4, "eval_every": 2},
+        },
+        "drafter": {
+            **common,
+            "output_dir": str(work / "draft"),
+            "train": {"batch_size": 16, "max_steps": 4, "eval_every": 2},
+            "model": {
+                "num_layers": 2,
+                "num_streams": 2,
+                "num_stream_layers": 1,
+                "feature_conditioning": "target_hidden",
+                "feature_slots": ["exit", "final"],
+                "exit_layer": 2,
+            },
+        },
+    }
+    for recipe, cfg in runs.items():
+        path = work / f"{recipe}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        done = subprocess.run(
+            [*launch, str(ROOT / "recipes" / f"{recipe}.py"), "--config", str(path)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=400,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{recipe} recipe failed: {done.stderr.strip().splitlines()[-1]}")
+    target = Target.load(str(target_dir), device=device)
+    head = load_proxy_head(work / "proxy" / "export", target)
+    draft = load_draft(work / "draft" / "export", target)
+    tensors = [*head.parameters(), *head.buffers(), *draft.parameters(), *draft.buffers()]
+    where = {str(t.device) for t in tensors}
+    assert where == {str(target.device)}, f"artifacts landed on {where}, not {target.device}"
+    return (work / "proxy" / "export", work / "draft" / "export"), f"trained, exported, reloaded on {where.pop()}"
+
+
+# --- the engine in every placement ------------------------------------------------------------------------------
+def placements(device: torch.device) -> list[tuple[str, str]]:
+    """(placement, draft device) pairs this machine allows."""
+    if device.type == "cpu":
+        return [("local", "cpu"), ("process", "cpu"), ("gloo", "cpu")]
+    out = [("local", str(device)), ("process", str(device)), ("process", "cpu")]
+    if torch.cuda.device_count() > 1:
+        out.append(("process", "auto"))  # the next GPU
+    return out
+
+
+def reference_greedy(target: Target, ids: list[int], n: int) -> list[int]:
+    """transformers' own greedy decoding of the same served target: the ground truth."""
+    model = target.model
+    inputs = torch.tensor([ids], device=model.device)
+    eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None  # n tokens, as stop=[]
+    try:
+        out = model.generate(
+            inputs,
+            attention_mask=torch.ones_like(inputs),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=0,
+        )
+    finally:
+        model.generation_config.eos_token_id = eos
+    return out[0, len(ids) :].tolist()
+
+
+def placements_check(device: torch.device, target_dir: Path, artifacts, max_new: int = 24):
+    head_dir, draft_dir = artifacts
+    target = Target.load(str(target_dir), device=device)
+    prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+    refs = [reference_greedy(target, p, max_new) for p in prompts]
+    rows = []
+    for placement, draft_device in placements(device):
+        cfg = EngineConfig(
+            placement=placement,
+            draft_device=draft_device,
+            target_core=None,
+            draft_core=None,
+            kappa=4,
+            gamma=3,
+            branch_budget=6,
+            gloo_port=29600 + len(rows),
+        )
+        with MirrorEngine(target, str(head_dir), str(draft_dir), cfg) as engine:
+            for method in ("ar", "sd", "mirror", "pld"):
+                same = [engine.generate(p, max_new, method=method, stop=[]).tokens == r for p, r in zip(prompts, refs)]
+                rows.append(
+                    {
+                        "placement": placement,
+                        "draft_device": draft_device,
+                        "method": method,
+                        "equal": sum(same),
+                        "of": len(same),
+                    }
+                )
+    bad = [r for r in rows if r["equal"] != r["of"]]
+    assert not bad, f"greedy output differs from transformers' generate: {bad}"
+    return rows, f"{len(rows)} placement × method runs, every output equal to transformers' generate"
+
+
+# --- Spec-Bench -------------------------------------------------------------------------------------------------
+def specbench_check(device: torch.device, target_dir: Path, artifacts, work: Path):
+    head_dir, draft_dir = artifacts
+    engine = EngineConfig(target_device=str(device), target_core=None, draft_core=None)
+    cfg = SpecBenchConfig(
+        out=str(work / "specbench"),
+        target=str(target_dir),
+        proxy_head=str(head_dir),
+        draft=str(draft_dir),
+        methods="ar,sd,mirror,pld,hf_pld",
+        limit_per_category=1,
+        max_new_tokens=16,
+        warmups=1,
+        engine=engine,
+    )
+    report = score(run_specbench(cfg))
+    lossless = {m: v["overall"]["lossless"] for m, v in report["methods"].items()}
+    assert all(v == 1.0 for v in lossless.values()), f"not lossless: {lossless}"
+    speed = {m: v["overall"].get("speedup") for m, v in report["methods"].items()}
+    return {"lossless": lossless, "speedup": speed}, f"6 tasks × 1 question, every method lossless: {lossless}"
+
+
+# --- the synthetic-draft table on a realistic-size target -------------------------------------------------------
+def synthetic_check(device: torch.device, acceptances=(0.6, 0.7, 0.8, 0.9), prompts: int = 4, max_new: int = 48):
+    if device.type == "cuda":
+        shape, dtype, label = LLAMA3_8B, torch.bfloat16, "Llama-3-8B shape, bf16"
+    else:
+        shape = {
+            "vocab_size": 4096,
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+        }
+        dtype, label = torch.float32, "8 layers × 512, float32"
+    target = Target(llama_shaped(shape, device, dtype), None, name_or_path=f"random {label}")
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(10, shape["vocab_size"], (96,), generator=generator).tolist() for _ in range(prompts)]
+    base = EngineConfig(target_core=None, draft_core=None, ngram_tokens=0, kappa=8, gamma=4, branch_budget=16)
+    with MirrorEngine(target, None, None, base) as engine:
+        engine.generate(ids[0], 8, method="ar", stop=[])
+        ar = [engine.generate(p, max_new, method="ar", stop=[]) for p in ids]
+    refs = [g.tokens for g in ar]
+    token_ms = statistics.median(s.step_ms for g in ar for s in g.steps[1:])
+    table = []
+    for acceptance in acceptances:
+        draft = SyntheticDraftConfig(acceptance=acceptance, forward_ms=0.15 * token_ms, node_ms=0.005 * token_ms)
+        row = {"acceptance": acceptance}
+        with MirrorEngine(target, None, draft, base) as engine:
+            engine.generate(ids[0], 8, method="mirror", stop=[], reference=refs[0])
+            for method in ("ar", "sd", "mirror"):
+                gens = [engine.generate(p, max_new, method=method, stop=[], reference=r) for p, r in zip(ids, refs)]
+                steps = [s for g in gens for s in g.steps if s.window]
+                row[method] = sum(len(g.tokens) for g in gens) / sum(g.seconds for g in gens)
+                row[f"{method}_equal"] = sum(g.tokens == r for g, r in zip(gens, refs))
+                if method == "mirror" and steps:
+                    row["overlap_efficiency"] = sum(s.predicted_ms for s in steps) / sum(s.step_ms for s in steps)
+                    row["accepted"] = sum(s.committed for s in steps) / len(steps)
+        row["mirror/ar"], row["mirror/sd"] = row["mirror"] / row["ar"], row["mirror"] / row["sd"]
+        table.append(row)
+    flips = sum(prompts - row[f"{m}_equal"] for row in table for m in ("sd", "mirror"))
+    detail = f"{label}: {token_ms:.1f} ms a token; outputs differing from ar: {flips} of {2 * prompts * len(table)}"
+    return {"model": label, "token_ms": token_ms, "rows": table, "flips": flips}, detail
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda, cuda:N")
+    ap.add_argument("--out", default="outputs/gpu_check", help="directory for gpu_check.json")
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated parts to skip: recipes, placements, specbench, "
+        "synthetic (placements and specbench need the recipes' artifacts)",
+    )
+    args = ap.parse_args()
+    device = resolve_device(args.device)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    env = {
+        "device": str(device),
+        "device_name": gpu,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+    print(f"# gpu_check on {device} ({gpu}); torch {torch.__version__}, transformers {transformers.__version__}")
+    results: list[dict] = []
+    parts: dict = {}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        work = Path(tmp)
+        target_dir = save_tiny_target(work / "target", layers=4, hidden=64)
+        parts["devices"] = check(results, "devices", lambda: devices_check(device))
+        artifacts = None
+        if "recipes" not in skip:
+            artifacts = check(results, "recipes", lambda: recipes_check(device, work, target_dir))
+        if artifacts is not None and "placements" not in skip:
+            parts["placements"] = check(results, "placements", lambda: placements_check(device, target_dir, artifacts))
+        if artifacts is not None and "specbench" not in skip:
+            parts["specbench"] = check(
+                results, "specbench", lambda: specbench_check(device, target_dir, artifacts, work)
+            )
+        if "synthetic" not in skip:
+            parts["synthetic"] = check(results, "synthetic", lambda: synthetic_check(device))
+    total = time.perf_counter() - started
+
+    print("\n| check | ok | seconds | detail |\n|---|---|---|---|")
+    for r in results:
+        print(f"| {r['check']} | {'yes' if r['ok'] else '**no**'} | {r['seconds']} | {r['detail']} |")
+    if parts.get("synthetic"):
+        syn = parts["synthetic"]
+        print(f"\nSynthetic draft on a random {syn['model']} target ({syn['token_ms']:.1f} ms a token), tokens/s:\n")
+        print("| acceptance | ar | sd | mirror | mirror/ar | mirror/sd | accepted | overlap efficiency |")
+        print("|---|---|---|---|---|---|---|---|")
+        for row in syn["rows"]:
+            print(
+                f"| {row['acceptance']} | {row['ar']:.1f} | {row['sd']:.1f} | {row['mirror']:.1f} | "
+                f"{row['mirror/ar']:.2f} | {row['mirror/sd']:.2f} | {row.get('accepted', 0):.2f} | "
+                f"{row.get('overlap_efficiency', 0):.2f} |"
+            )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {**env, "seconds": round(total, 1), "checks": results, "parts": parts}
+    (out / "gpu_check.json").write_text(json.dumps(record, indent=2, default=str))
+    print(f"\n{len(results)} checks in {total:.0f} s; wrote {out / 'gpu_check.json'}")
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
