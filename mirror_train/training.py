@@ -298,14 +298,15 @@ def train_loop(
 # --- the scaffold both recipes share -------------------------------------------------------------------------------
 def setup_run(cfg, prepare_data_fn):
     """The recipes' start: an Accelerator (trackers, precision), the target loaded where training runs, the resolved
-    config saved, the data made by the main process (`prepare_data_fn(target)`, resumable) while the others wait,
-    and the RNG seeded after it (data generation draws random numbers too). Returns (accelerator, out, target)."""
+    config saved, the data made (`prepare_data_fn(target, rank, world, barrier)`, resumable: every rank answers its
+    share of the prompts, the main rank makes the rest while the others wait), and the RNG seeded after it (data
+    generation draws random numbers too). Returns (accelerator, out, target)."""
     out = Path(cfg.output_dir)
     accelerator = make_accelerator(out, cfg.log, config_to_dict(cfg), cfg.train.mixed_precision)
     target = Target.load(cfg.target, device=accelerator.device)  # the data stages run where training does
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
-        prepare_data_fn(target)
+    prepare_data_fn(target, accelerator.process_index, accelerator.num_processes, accelerator.wait_for_everyone)
     accelerator.wait_for_everyone()
     torch.manual_seed(cfg.train.seed)
     return accelerator, out, target

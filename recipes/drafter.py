@@ -25,9 +25,9 @@ from mirror_train.training import fit, recipe_entry, setup_run
 
 
 def main(cfg: DrafterRunConfig) -> None:
-    # --- setup: the target, the shared data (main process builds; the others wait), the draft --------------------
+    # --- setup: the target, the shared data (every rank answers its share; the main one the rest), the draft ---
     accelerator, out, target = setup_run(
-        cfg, lambda target: prepare_data(cfg.data, target, data_layers(cfg, target)[1])
+        cfg, lambda target, *ranks: prepare_data(cfg.data, target, data_layers(cfg, target)[1], *ranks)
     )
     train, heldout = open_caches(cfg, target)
     sampler = WindowSampler(train, cfg.train.batch_size, cfg.train.seed, cfg.train.window, cfg.data.answer_repeat)

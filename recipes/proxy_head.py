@@ -17,8 +17,10 @@ RANKING_LIMIT = 32768  # candidate ids by frequency stored with the head; the en
 
 
 def main(cfg: ProxyRunConfig) -> None:
-    # --- setup: the target, its data (main process builds; the others wait), the head -------------------------
-    accelerator, out, target = setup_run(cfg, lambda target: prepare_data(cfg.data, target, data_layers(cfg, target)))
+    # --- setup: the target, its data (every rank answers its share; the main one makes the rest), the head ------
+    accelerator, out, target = setup_run(
+        cfg, lambda target, *ranks: prepare_data(cfg.data, target, data_layers(cfg, target), *ranks)
+    )
     train, heldout = open_caches(cfg.data, data_layers(cfg, target), cfg.head.exit_layer)
     if cfg.head.kind == "attention":
         sampler = WindowSampler(train, cfg.train.batch_size, cfg.train.seed, cfg.train.window, cfg.data.answer_repeat)

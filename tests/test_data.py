@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -39,3 +43,24 @@ def test_a_time_boxed_cache_keeps_a_sample_that_fits_and_keeps_it_on_resume(tiny
     cfg.max_minutes = 10.0  # a re-run on a faster day caches the same sequences, and finds them done
     assert build_feature_cache(tiny_target, seqs, tmp_path / "cache", cfg, progress=False) == out
     assert json.loads((out / "selection.json").read_text())["kept"] == kept
+
+
+def test_two_ranks_share_the_self_distillation_and_the_main_rank_merges_it(tiny_model_dir, tmp_path):
+    """Two real processes (torchrun, gloo): each answers half the prompts into its own rows file, the main rank
+    merges them into one dataset of every prompt, then makes the caches while the other waits."""
+    prompts = write_prompts(tmp_path / "p.jsonl", 10, "p")
+    script = Path(__file__).parent / "helpers" / "two_ranks_data.py"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)]
+    done = subprocess.run(
+        [*cmd, str(tiny_model_dir), str(prompts), str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith(("rank", "dataset")))
+    assert lines == ["dataset: 10 rows, 10 prompts, from 2 ranks", "rank 0: 5 rows", "rank 1: 5 rows"]
+    assert list((tmp_path / "data").glob("features_train_*/meta.json"))  # the main rank built the cache

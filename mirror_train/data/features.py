@@ -198,7 +198,7 @@ def _time_boxed(target, seqs: list[TokenSequence], out: Path, cfg: FeatureCacheC
     budget = max(rates) * cfg.max_minutes * 60
     kept, total = [], 0
     for i in order:
-        if total + len(seqs[i].ids) > budget:
+        if kept and total + len(seqs[i].ids) > budget:  # at least one sequence: an empty cache trains nothing
             break
         kept.append(i)
         total += len(seqs[i].ids)

@@ -24,7 +24,12 @@ from pathlib import Path
 from typing import Literal
 
 from mirror_train.data.features import FeatureCache, FeatureCacheConfig, TokenSequence, build_feature_cache
-from mirror_train.data.selfdistill import SelfDistillConfig, generate_selfdistill, load_selfdistill
+from mirror_train.data.selfdistill import (
+    SelfDistillConfig,
+    assemble_selfdistill,
+    generate_selfdistill,
+    load_selfdistill,
+)
 from mirror_train.devices import resolve_dtype
 from mirror_train.errors import MirrorTrainError
 from mirror_train.generation import encode_chat
@@ -75,18 +80,30 @@ def feature_dirs(data: DataConfig, layers: Sequence[int]) -> tuple[Path, Path]:
     return root / f"features_train_{tag}", root / f"features_heldout_{tag}"
 
 
-def prepare_data(data: DataConfig, target, layers: Sequence[int]) -> tuple[Path, Path]:
+def prepare_data(
+    data: DataConfig, target, layers: Sequence[int], rank: int = 0, world: int = 1, barrier=lambda: None
+) -> tuple[Path, Path]:
     """Run (or resume, or skip) every stage with the hidden states of `layers` cached; return the train and held-out
-    feature cache directories.
+    feature cache directories. Every rank of a launch calls it.
 
-    Runs that share a data directory (the proxy head and the draft, or two drafts launched side by side) take turns:
-    the first builds what is missing, the others wait on a lock and then find it done.
+    With several ranks, the self-distillation (the long stage) is shared: each rank answers its share of the
+    prompts on its own device, `barrier()` waits for all of them, then the main rank merges the answers and makes
+    the rest while the others wait for it (the caller's barrier). Runs that share a data directory (the proxy head
+    and the draft, or two drafts launched side by side) take turns: the first builds what is missing, the others
+    wait on a lock and then find it done.
     """
     data.validate()
     root = Path(data.dir)
     root.mkdir(parents=True, exist_ok=True)
+    if world > 1:
+        maker = target.cast(resolve_dtype(data.dtype, target.device))
+        generate_selfdistill(data.selfdistill, root / "selfdistill", maker, rank=rank, world=world)
+        del maker
+        barrier()
+    if rank != 0:
+        return feature_dirs(data, sorted(set(layers)))
     with exclusive(root / ".lock"):
-        return _prepare_data(data, target, sorted(set(layers)), root)
+        return _prepare_data(data, target, sorted(set(layers)), root, sharded=world > 1)
 
 
 def open_caches(
@@ -113,7 +130,7 @@ def exclusive(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _prepare_data(data: DataConfig, target, layers: list[int], root: Path) -> tuple[Path, Path]:
+def _prepare_data(data: DataConfig, target, layers: list[int], root: Path, sharded: bool) -> tuple[Path, Path]:
     features = FeatureCacheConfig(
         exit_layers=layers,
         top_k=data.top_k,
@@ -124,7 +141,13 @@ def _prepare_data(data: DataConfig, target, layers: list[int], root: Path) -> tu
     train_dir, heldout_dir = feature_dirs(data, layers)
     maker = target.cast(resolve_dtype(data.dtype, target.device))
 
-    sd = load_selfdistill(generate_selfdistill(data.selfdistill, root / "selfdistill", maker))
+    made = root / "selfdistill"
+    sd_dir = (
+        assemble_selfdistill(data.selfdistill, made, maker)
+        if sharded
+        else generate_selfdistill(data.selfdistill, made, maker)
+    )
+    sd = load_selfdistill(sd_dir)
     sequences = [TokenSequence(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"])) for r in sd]
     if data.forced_prompts:
         used = set(sd["id"])

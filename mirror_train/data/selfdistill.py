@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -118,34 +119,36 @@ def _read_rows(path: Path) -> tuple[list[dict], bool]:
     return rows, False
 
 
-def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, target) -> Path:
-    """Generate (or resume) the dataset under `out_dir`; return the dataset directory."""
-    import datasets
+def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, target, rank: int = 0, world: int = 1):
+    """Generate (or resume) the dataset under `out_dir`; return the dataset directory.
 
+    With `world` > 1 ranks, this rank answers its share of the prompts (every world-th, each with all its turns) into
+    its own `work/rows.rank{R}.jsonl` under its own time box, and returns None: once every rank has finished, one
+    calls `assemble_selfdistill` (the data pipeline does, on the main rank).
+    """
     cfg.validate()
     out = Path(out_dir)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    # what the rows depend on (the time box only decides how many there are)
-    settings = {"target": target.name_or_path, **asdict(cfg), **dtype_record(target)}
-    settings.pop("max_minutes")
+    settings = _settings(cfg, target)
     settings_file = work / "settings.json"
     if settings_file.exists() and json.loads(settings_file.read_text()) != settings:
         raise MirrorTrainError(
             f"{out} holds a run with other settings ({settings_file}); use another output directory or delete it"
         )
-    settings_file.write_text(json.dumps(settings, indent=2))
+    _write_atomic(settings_file, json.dumps(settings, indent=2))  # ranks write it alike; none may read it torn
 
-    prompts = read_prompt_source(cfg.prompts, cfg.split, cfg.num_prompts, cfg.seed)
-    rows_file = work / "rows.jsonl"
+    prompts = read_prompt_source(cfg.prompts, cfg.split, cfg.num_prompts, cfg.seed)[rank::world]
+    suffix = f".rank{rank}" if world > 1 else ""
+    rows_file = work / f"rows{suffix}.jsonl"
+    done = _done_rows(work)
     rows, torn = _read_rows(rows_file)
-    done = {(r["id"], r["turn"]): r for r in rows}
     if torn:  # rewrite without the torn tail (only then: a finished stage leaves its files untouched)
         with open(rows_file, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
     started = time.perf_counter()
-    clock_file = work / "minutes.json"  # minutes spent by earlier runs: the time box counts them all
+    clock_file = work / f"minutes{suffix}.json"  # minutes spent by earlier runs: the time box counts them all
     before = json.loads(clock_file.read_text())["minutes"] if clock_file.exists() else 0.0
     spent = lambda: before + (time.perf_counter() - started) / 60  # noqa: E731
     out_of_time = False
@@ -179,7 +182,7 @@ def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, tar
                 cfg.max_new_tokens,
                 cfg.batch_size,
                 cfg.temperature,
-                seed=cfg.seed + start + 1000 * turn,
+                seed=cfg.seed + start + 1000 * turn + 100_000 * rank,
                 progress=False,
             )
             with open(rows_file, "a", encoding="utf-8") as f:
@@ -196,30 +199,66 @@ def generate_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, tar
             break
     if truncated:
         log.warning("%d prompts were longer than %d tokens and kept only their end", truncated, cfg.max_prompt_tokens)
+    stats = {
+        "generated": generated,
+        "truncated_prompts": truncated,
+        "time_boxed": out_of_time,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    _write_atomic(work / f"stats{suffix}.json", json.dumps(stats))
+    return assemble_selfdistill(cfg, out, target) if world == 1 else None
 
+
+def assemble_selfdistill(cfg: SelfDistillConfig, out_dir: str | os.PathLike, target) -> Path:
+    """The dataset (`dataset/`, `provenance.json`) from every rank's rows; left as it is when nothing is new."""
+    import datasets
+
+    out = Path(out_dir)
+    work = out / "work"
+    stats = [json.loads(p.read_text()) for p in sorted(work.glob("stats*.json"))]
     final = out / "dataset"
-    if generated == 0 and final.exists():  # nothing new: the dataset on disk is already complete
+    if final.exists() and not any(s["generated"] for s in stats):  # nothing new: the dataset is complete
         return final
-    rows = list(done.values())
+    rows = list(_done_rows(work).values())
     dataset = datasets.Dataset.from_list(rows)
     tmp = out / ".dataset.tmp"
     dataset.save_to_disk(str(tmp))
     if final.exists():
-        import shutil
-
         shutil.rmtree(final)
     os.replace(tmp, final)
     provenance = {
-        **settings,
+        **_settings(cfg, target),
         "rows": len(rows),
         "answer_tokens": sum(len(r["answer_ids"]) for r in rows),
         "prompt_tokens": sum(len(r["prompt_ids"]) for r in rows),
-        "truncated_prompts": truncated,
-        "seconds_this_run": round(time.perf_counter() - started, 1),
-        "time_boxed": out_of_time,
+        "truncated_prompts": sum(s["truncated_prompts"] for s in stats),
+        "seconds_this_run": max((s["seconds"] for s in stats), default=0.0),
+        "time_boxed": any(s["time_boxed"] for s in stats),
+        "ranks": len(stats),
     }
     (out / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
     return final
+
+
+def _settings(cfg: SelfDistillConfig, target) -> dict:
+    """What the rows depend on (the time box only decides how many there are)."""
+    settings = {"target": target.name_or_path, **asdict(cfg), **dtype_record(target)}
+    settings.pop("max_minutes")
+    return settings
+
+
+def _done_rows(work: Path) -> dict[tuple[str, int], dict]:
+    """(prompt id, turn) → row, from the rows of every rank and every earlier run (`rows*.jsonl`)."""
+    done = {}
+    for path in sorted(work.glob("rows*.jsonl")):
+        done.update({(r["id"], r["turn"]): r for r in _read_rows(path)[0]})
+    return done
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def load_selfdistill(path: str | os.PathLike):
