@@ -173,7 +173,9 @@ def recipes_check(device: torch.device, work: Path, target_dir: Path):
     target = Target.load(str(target_dir), device=device)
     head = load_proxy_head(work / "proxy" / "export", target)
     draft = load_draft(work / "draft" / "export", target)
-    tensors = [*head.parameters(), *head.buffers(), *draft.parameters(), *draft.buffers()]
+    # the head's own weights, and the target's final norm and LM head it borrows (they move with the target)
+    borrowed = [*head._norm.parameters(), *head._head.parameters()]
+    tensors = [*head.parameters(), *head.buffers(), *borrowed, *draft.parameters(), *draft.buffers()]
     where = {str(t.device) for t in tensors}
     assert where == {str(target.device)}, f"artifacts landed on {where}, not {target.device}"
     return (work / "proxy" / "export", work / "draft" / "export"), f"trained, exported, reloaded on {where.pop()}"
