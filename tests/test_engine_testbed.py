@@ -123,7 +123,8 @@ HEAD_DRAFT_SIDE = {"kappa": 2, "gamma": 5, "branch_budget": 3, "head_placement":
     [
         ("untrained", HEAD_DRAFT_SIDE, ("mirror",)),
         ("synthetic-0.3", {"kappa": 4, "gamma": 4, "branch_budget": 8}, ("mirror",)),
-        ("synthetic-0.9", {"kappa": 3, "gamma": 6, "branch_budget": 6}, ("sd", "mirror")),
+        # whole windows: adaptive ones follow measured times, and the assertion below is about long prefixes
+        ("synthetic-0.9", {"kappa": 3, "gamma": 6, "branch_budget": 6, "adaptive_window": False}, ("sd", "mirror")),
     ],
 )
 def test_other_settings_reproduce_the_target(testbed_target, untrained_draft, cases, draft_kind, settings, methods):

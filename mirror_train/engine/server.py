@@ -307,7 +307,8 @@ class DraftServer:
             if self.adaptive_window:
                 length, rate = best_length(self.calibration.predict(keys), self.costs)
             else:
-                length, rate = len(tokens), 0.0 if source == "ngram" else 1.0  # the model's whole window
+                # the model's whole window; a copy where the model has none (method pld, or nothing drafted)
+                length, rate = len(tokens), (2.0 if source == "model" else 1.0) if tokens else 0.0
             if best is None or rate > best[0]:
                 best = (rate, tokens[:length], None if pairs is None else pairs[:length], keys[:length], source)
         _, self.window, self.window_pairs, self.window_keys, source = best
