@@ -36,9 +36,10 @@ import torch
 import transformers
 import yaml
 
-from mirror_train.devices import resolve_device
+from mirror_train.devices import DEVICE_HELP, resolve_device
 from mirror_train.engine import EngineConfig, MirrorEngine, SyntheticDraftConfig
 from mirror_train.errors import MirrorTrainError
+from mirror_train.eval.peers import greedy_generate
 from mirror_train.eval.score import score
 from mirror_train.eval.specbench import SpecBenchConfig, run_specbench
 from mirror_train.generation import encode_chat
@@ -192,33 +193,11 @@ def placements(device: torch.device) -> list[tuple[str, str]]:
     return out
 
 
-def reference_greedy(target: Target, ids: list[int], n: int) -> list[int]:
-    """transformers' own greedy decoding of the same served target: the ground truth."""
-    model = target.model
-    inputs = torch.tensor([ids], device=model.device)
-    eos, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None  # n tokens, as stop=[]
-    try:
-        out = model.generate(
-            inputs,
-            attention_mask=torch.ones_like(inputs),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            pad_token_id=0,
-        )
-    finally:
-        model.generation_config.eos_token_id = eos
-    return out[0, len(ids) :].tolist()
-
-
 def placements_check(device: torch.device, target_dir: Path, artifacts, max_new: int = 24):
     head_dir, draft_dir = artifacts
     target = Target.load(str(target_dir), device=device)
     prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
-    refs = [reference_greedy(target, p, max_new) for p in prompts]
+    refs = [greedy_generate(target.model, p, max_new, stops=[]) for p in prompts]  # transformers' own
     rows = []
     for placement, draft_device in placements(device):
         cfg = EngineConfig(
@@ -316,7 +295,7 @@ def synthetic_check(device: torch.device, acceptances=(0.6, 0.7, 0.8, 0.9)):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="auto", help="auto (CUDA when present, else the CPU), cpu, cuda, cuda:N")
+    ap.add_argument("--device", default="auto", help=DEVICE_HELP)
     ap.add_argument("--out", default="outputs/gpu_check", help="directory for gpu_check.json")
     ap.add_argument(
         "--skip",

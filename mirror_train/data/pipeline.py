@@ -95,15 +95,15 @@ def prepare_data(
     data.validate()
     root = Path(data.dir)
     root.mkdir(parents=True, exist_ok=True)
-    if world > 1:
+    layers = sorted(set(layers))
+    if rank != 0:  # its share of the answers; the main rank makes the rest
         maker = target.cast(resolve_dtype(data.dtype, target.device))
         generate_selfdistill(data.selfdistill, root / "selfdistill", maker, rank=rank, world=world)
         del maker
         barrier()
-    if rank != 0:
-        return feature_dirs(data, sorted(set(layers)))
+        return feature_dirs(data, layers)
     with exclusive(root / ".lock"):
-        return _prepare_data(data, target, sorted(set(layers)), root, sharded=world > 1)
+        return _prepare_data(data, target, layers, root, world, barrier)
 
 
 def open_caches(
@@ -130,7 +130,7 @@ def exclusive(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _prepare_data(data: DataConfig, target, layers: list[int], root: Path, sharded: bool) -> tuple[Path, Path]:
+def _prepare_data(data: DataConfig, target, layers: list[int], root: Path, world: int, barrier) -> tuple[Path, Path]:
     features = FeatureCacheConfig(
         exit_layers=layers,
         top_k=data.top_k,
@@ -142,11 +142,12 @@ def _prepare_data(data: DataConfig, target, layers: list[int], root: Path, shard
     maker = target.cast(resolve_dtype(data.dtype, target.device))
 
     made = root / "selfdistill"
-    sd_dir = (
-        assemble_selfdistill(data.selfdistill, made, maker)
-        if sharded
-        else generate_selfdistill(data.selfdistill, made, maker)
-    )
+    if world > 1:  # the main rank's share, then every rank's answers merged
+        generate_selfdistill(data.selfdistill, made, maker, rank=0, world=world)
+        barrier()
+        sd_dir = assemble_selfdistill(data.selfdistill, made, maker)
+    else:
+        sd_dir = generate_selfdistill(data.selfdistill, made, maker)
     sd = load_selfdistill(sd_dir)
     sequences = [TokenSequence(r["prompt_ids"] + r["answer_ids"], len(r["prompt_ids"])) for r in sd]
     if data.forced_prompts:

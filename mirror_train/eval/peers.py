@@ -45,16 +45,14 @@ class ForwardCounter:
         return [n for n in lengths if n > 0]
 
 
-def hf_generate(target, ids: list[int], max_new_tokens: int, stops: list[int], method: str, assistant=None):
-    """One greedy generation with transformers: method "assisted" (assistant model) or "hf_pld" (prompt lookup).
-
-    Returns (new tokens, stop included; seconds; accepted length per target forward)."""
-    model = target.model
-    kwargs = {"assistant_model": assistant} if method == "assisted" else {"prompt_lookup_num_tokens": 10}
+def greedy_generate(model, ids: list[int], max_new_tokens: int, stops: list[int], **kwargs) -> list[int]:
+    """transformers' greedy `generate` after one prompt: the new tokens, up to a stop in `stops` ([]: exactly
+    `max_new_tokens`, the model's own end-of-sequence ids set aside). `kwargs` go to `generate` (assistant, lookup)."""
     input_ids = torch.tensor([ids], device=model.device)
-    with torch.inference_mode(), ForwardCounter(model) as counter:
-        now = clock(model.device)
-        start = now()
+    eos = model.generation_config.eos_token_id
+    if not stops:
+        model.generation_config.eos_token_id = None
+    try:
         out = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
@@ -63,12 +61,26 @@ def hf_generate(target, ids: list[int], max_new_tokens: int, stops: list[int], m
             temperature=None,
             top_p=None,
             top_k=None,
-            eos_token_id=stops,
-            pad_token_id=stops[0],
+            eos_token_id=stops or None,
+            pad_token_id=stops[0] if stops else 0,
             **kwargs,
         )
+    finally:
+        model.generation_config.eos_token_id = eos
+    return out[0, len(ids) :].tolist()
+
+
+def hf_generate(target, ids: list[int], max_new_tokens: int, stops: list[int], method: str, assistant=None):
+    """One greedy generation with transformers: method "assisted" (assistant model) or "hf_pld" (prompt lookup).
+
+    Returns (new tokens, stop included; seconds; accepted length per target forward)."""
+    model = target.model
+    kwargs = {"assistant_model": assistant} if method == "assisted" else {"prompt_lookup_num_tokens": 10}
+    with torch.inference_mode(), ForwardCounter(model) as counter:
+        now = clock(model.device)
+        start = now()
+        new = greedy_generate(model, ids, max_new_tokens, stops, **kwargs)
         seconds = now() - start
-    new = out[0, len(ids) :].tolist()
     cut = next((j + 1 for j, t in enumerate(new) if t in stops), len(new))
     new = new[:cut]
     return new, seconds, counter.accept_lengths(len(ids), len(new))
