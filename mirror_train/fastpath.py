@@ -1,15 +1,22 @@
 """The fast forward path for a served model: what every method (ar, sd, mirror, pld and the transformers peers) runs.
 
 On a CPU a decoding step of a small model is a few matmuls of 1–16 rows against large weights, and torch's default
-float32 path is slow at that shape (docs/engine.md, "The step against the hardware"): oneDNN with its weights
-reordered once into its own blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, then
-`_linear_pointwise` per call) reads the same weights faster. `install` swaps every `nn.Linear` of a model for that
-call in place, keeping the parameters (and what borrows them: a proxy head's LM head, tied embeddings) untouched;
-the model computes the same function, rounding differently in the last bits (float32 logits within ~1e-4), the
-same for a window as for a one-token step. Lossless is unaffected: every method is verified by the same served
-model, and the engine's output is that model's own greedy output (tests/test_engine_testbed.py).
+float32 path is slow at that shape (docs/engine.md, "The step against the hardware"): its 2–16-row GEMMs cost up to
+twice a one-row step that is already bound by reading the weights. Two replacements, swapped in for every
+`nn.Linear` of a model in place, keeping its parameters (and what borrows them: a proxy head's LM head, tied
+embeddings) untouched:
+- `rowgemm` (rowgemm.py): our own small-M kernel, for float32 on a CPU with a C compiler. It streams each weight
+  row once a call whatever the rows, so an 8-token window costs about a one-token step, and it sums every output
+  in one fixed order, so a window equals its one-token steps bit for bit (`Target.exact_windows`).
+- `onednn`: oneDNN with its weights reordered once into its own blocked layout
+  (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`), from the row count measured to win per
+  layer shape (it loses at 1–2 rows); bf16 models, or float32 where the kernel cannot be built.
+Either computes the same function as the plain model, rounding differently in the last bits (float32 logits within
+~1e-4). Lossless is unaffected: every method is verified by the same served model, and the engine's output is that
+model's own greedy output (tests/test_engine_testbed.py).
 
-`kind`: "auto" (oneDNN on a CPU where torch has it, nothing elsewhere), "onednn", or "none".
+`kind`: "auto" (rowgemm for a float32 model on a CPU where it builds, else oneDNN on a CPU where torch has it, else
+nothing), "rowgemm", "onednn", or "none".
 """
 
 from __future__ import annotations
@@ -17,21 +24,32 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mirror_train import rowgemm
 from mirror_train.errors import MirrorTrainError
 from mirror_train.timing import median_ms
 
-KINDS = ("auto", "onednn", "none")
+KINDS = ("auto", "rowgemm", "onednn", "none")
 
 
-def resolve(kind: str, device: torch.device | str) -> str:
+def resolve(kind: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """The path `kind` means for a model on `device` computing in `dtype` (None: not known yet, e.g. "auto" for a
+    draft whose precision is chosen later; rowgemm then stands for "rowgemm if float32")."""
     if kind not in KINDS:
         raise MirrorTrainError(f"fast_path must be one of {', '.join(KINDS)}, got {kind!r}")
     device = torch.device(device)
-    available = device.type == "cpu" and torch.backends.mkldnn.is_available()
-    if kind == "onednn" and not available:
+    onednn = device.type == "cpu" and torch.backends.mkldnn.is_available()
+    kernel = device.type == "cpu" and dtype in (None, torch.float32) and rowgemm.available()
+    if kind == "onednn" and not onednn:
         raise MirrorTrainError(f"fast_path=onednn needs a CPU with oneDNN; the model is on {device}")
+    if kind == "rowgemm" and not kernel:
+        why = (
+            "a float32 model on a CPU"
+            if device.type != "cpu" or dtype not in (None, torch.float32)
+            else ("a C compiler (cc) to build it once")
+        )
+        raise MirrorTrainError(f"fast_path=rowgemm needs {why}")
     if kind == "auto":
-        return "onednn" if available else "none"
+        return "rowgemm" if kernel else "onednn" if onednn else "none"
     return kind
 
 
@@ -39,15 +57,21 @@ def install(model: nn.Module, kind: str = "auto") -> str:
     """Swap `model`'s linear layers for the fast path in place (idempotent); returns the kind installed. Install it
     on the model as served: a later cast or copy computes on the plain path.
 
-    Which path is faster depends on the rows of a call and on the machine (measured on an AMX Xeon: oneDNN 24% slower
-    for one row, 10–25% faster from 4 rows on, docs/engine.md), so each layer takes the prepacked path from the
-    row count measured here to win for that layer's shape, and torch's own path below it."""
-    device = next(model.parameters()).device
-    kind = resolve(kind, device)
+    onednn: which path is faster depends on the rows of a call and on the machine (measured on an AMX Xeon: oneDNN
+    24% slower for one row, 10–25% faster from 4 rows on, docs/engine.md), so each layer takes the prepacked path
+    from the row count measured here to win for that layer's shape, and torch's own path below it."""
+    param = next(model.parameters())
+    kind = resolve(kind, param.device, param.dtype)
     if kind == "none":
         return kind
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    linears = [m for m in model.modules() if type(m) in (nn.Linear, PackedLinear, RowLinear)]
     if not linears:
+        return kind
+    if kind == "rowgemm":
+        for module in linears:
+            module.__class__ = RowLinear
+            for key in ("_packed", "_packed_dtype", "min_rows"):  # an earlier oneDNN install's
+                module.__dict__.pop(key, None)
         return kind
     crossovers: dict[tuple, float] = {}
     for module in linears:
@@ -76,7 +100,40 @@ def _crossover(linear: PackedLinear, rows=(1, 2, 4, 8, 16)) -> float:
 
 
 def installed(model: nn.Module) -> bool:
-    return any(isinstance(m, PackedLinear) for m in model.modules())
+    return any(isinstance(m, (PackedLinear, RowLinear)) for m in model.modules())
+
+
+def _plain_copy(module: nn.Linear, memo: dict, drop: tuple[str, ...]) -> nn.Linear:
+    """A deep copy (`Target.cast`) is a plain nn.Linear: the fast path belongs to the model as served."""
+    import copy
+
+    clone = nn.Linear.__new__(nn.Linear)
+    memo[id(module)] = clone
+    for key, value in module.__dict__.items():
+        if key not in drop:
+            clone.__dict__[key] = copy.deepcopy(value, memo)
+    return clone
+
+
+class RowLinear(nn.Linear):
+    """An nn.Linear whose inference forward runs the row-exact kernel (rowgemm.py) for float32 CPU calls of up to
+    `rowgemm.MAX_ROWS` rows; anything else (training, a prompt's prefill, another dtype) takes torch's path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (
+            x.dtype != torch.float32
+            or w.dtype != torch.float32
+            or x.device.type != "cpu"
+            or x.numel() > rowgemm.MAX_ROWS * self.in_features
+            or not w.is_contiguous()
+            or (torch.is_grad_enabled() and w.requires_grad)
+        ):
+            return nn.functional.linear(x, w, self.bias)
+        return rowgemm.linear(x, w, self.bias)
+
+    def __deepcopy__(self, memo):
+        return _plain_copy(self, memo, ())
 
 
 class PackedLinear(nn.Linear):
@@ -101,12 +158,4 @@ class PackedLinear(nn.Linear):
         return self.packed(x)
 
     def __deepcopy__(self, memo):
-        """A copy (`Target.cast`) is a plain nn.Linear: the packed weight belongs to the model as served."""
-        import copy
-
-        clone = nn.Linear.__new__(nn.Linear)
-        memo[id(self)] = clone
-        for key, value in self.__dict__.items():
-            if key not in ("_packed", "_packed_dtype", "min_rows"):
-                clone.__dict__[key] = copy.deepcopy(value, memo)
-        return clone
+        return _plain_copy(self, memo, ("_packed", "_packed_dtype", "min_rows"))

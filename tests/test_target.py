@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mirror_train import attention, fastpath, rowgemm
 from mirror_train.errors import MirrorTrainError
 from mirror_train.target import Target, check_exit_layer
 from tests.conftest import INEXACT_GEMMS, tiny_model
@@ -119,6 +120,26 @@ def test_testbed_prefix_suffix_and_crop(testbed_target):
 
 
 @pytest.mark.testbed
+@pytest.mark.skipif(not rowgemm.available(), reason="no C compiler here to build the row-exact kernel")
+def test_a_float32_window_on_the_row_exact_kernel_scores_bit_for_bit_as_one_token_steps(testbed_target):
+    """With fastpath's rowgemm (float32 on a CPU) the matmuls are row-exact too, so a float32 window equals one-token
+    decoding bit for bit, as in bf16 above (torch's own float32 GEMMs differ by ~1e-5)."""
+    target = testbed_target
+    fastpath.install(target.model, "rowgemm")
+    assert attention.gemm_row_invariant(target.model)
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        ids = torch.randint(0, target.vocab_size, (1, 209), generator=g)
+        cache = target.new_cache()
+        target.forward(ids[:, :200], cache)
+        one = torch.cat([target.forward(ids[:, 200 + i : 201 + i], cache) for i in range(9)], dim=1)
+        for width, exit_layer in ((9, 15), (5, 7), (2, 29)):
+            target.crop(cache, 200)
+            window = target.suffix(target.prefix(ids[:, 200 : 200 + width], cache, exit_layer))
+            assert torch.equal(window, one[:, :width]), width
+
+
+@pytest.mark.testbed
 def test_a_bf16_window_scores_bit_for_bit_as_one_token_steps(testbed_target):
     """mirror_train/attention.py: a window over a cache (any length, any split at ℓe) equals one-token decoding of
     the same tokens bit for bit in bf16; with transformers' fused SDPA it does not (measured 0.6 in a logit)."""
@@ -143,8 +164,6 @@ def test_the_matmul_probe_catches_a_product_that_rounds_by_row_count(monkeypatch
     that does (here: a product of more than one row nudged by one ulp-ish step) and the engine then warns for a
     low-precision target."""
     import torch.nn.functional as F
-
-    from mirror_train import attention
 
     model = tiny_model("llama")
     real = F.linear
@@ -189,17 +208,17 @@ def test_row_invariant_attention_leaves_other_shapes_to_sdpa():
 
 def test_the_fast_path_computes_the_same_function_and_a_copy_is_plain():
     """fastpath.install swaps every Linear in place for oneDNN's prepacked one: the same logits (to float32
-    rounding), the same greedy tokens; a deep copy (a cast target) is a plain model again."""
+    rounding), the same greedy tokens; a deep copy (a cast target) is a plain model again. (The row-exact kernel,
+    auto's float32 choice where it builds: tests/test_rowgemm.py.)"""
     import copy
 
-    from mirror_train import fastpath
     from tests.conftest import tiny_model
 
     model = tiny_model()
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         plain = model(ids).logits
-        assert fastpath.install(model, "auto") in ("onednn", "none")
+        assert fastpath.install(model, "onednn" if torch.backends.mkldnn.is_available() else "none") != "rowgemm"
         fast = model(ids).logits
     torch.testing.assert_close(fast, plain, atol=1e-4, rtol=1e-4)
     assert torch.equal(fast.argmax(-1), plain.argmax(-1))
