@@ -9,6 +9,10 @@ the residual stream and it reached 0.6 in a logit, enough to change the greedy t
 attention runs each query row as its own one-row SDPA call over exactly the keys that row may see: bit for bit the
 call plain decoding makes. Everything else (prefill, padded batches, trees, no cache) goes to transformers' SDPA
 unchanged. The cost is k small attention calls instead of one (measured in docs/engine.md).
+
+With the fast path's exact kernels (fastpath.py, float32 on a CPU) the model switches to `KERNEL_NAME`: every
+plain causal window over a cache, one-token steps included, runs kernels.attention, one call a layer for all its
+rows, each row computed from its own query and keys alone (the same property at a fraction of the calls).
 """
 
 from __future__ import annotations
@@ -16,13 +20,24 @@ from __future__ import annotations
 import torch
 
 NAME = "mirror_row_invariant_sdpa"
+KERNEL_NAME = "mirror_row_exact_kernel"
 MAX_ROWS = 64  # windows longer than this are not verification windows; they take the fused kernel
+
+
+_checked: list = [None, None]  # the last mask checked and its answer: one mask object serves every layer of a step
 
 
 def _plain_causal_window(mask: torch.Tensor | None, q_len: int, kv_len: int) -> bool:
     """True when `mask` lets row i see exactly keys 0..kv_len−q_len+i (a window at the end of a cache)."""
     if mask is None:  # transformers drops the mask only when SDPA's own causal flag says the same
         return True
+    if _checked[0] is mask:
+        return _checked[1]
+    _checked[0], _checked[1] = mask, _plain_window_mask(mask, q_len, kv_len)
+    return _checked[1]
+
+
+def _plain_window_mask(mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
     if mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1 or mask.shape[-2:] != (q_len, kv_len):
         return False
     rows = torch.arange(kv_len - q_len, kv_len, device=mask.device)[:, None]
@@ -54,12 +69,53 @@ def row_invariant_sdpa(module, query, key, value, attention_mask, *args, **kwarg
     return torch.cat(rows, dim=1), None
 
 
+def row_exact_kernel(module, query, key, value, attention_mask, *args, **kwargs):
+    """kernels.attention for a plain causal window (1..MAX_ROWS rows) over a cache in float32 on a CPU; anything
+    else as `row_invariant_sdpa`."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if (
+        query.shape[0] != 1
+        or not 1 <= q_len <= MAX_ROWS
+        or q_len >= kv_len
+        or query.dtype != torch.float32
+        or key.dtype != torch.float32
+        or query.device.type != "cpu"
+        or query.shape[1] % key.shape[1]
+        or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "sliding_window", "s_aux"))
+        or kwargs.get("dropout", 0.0)
+        or not _plain_causal_window(attention_mask, q_len, kv_len)
+    ):
+        return row_invariant_sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+    from mirror_train import kernels
+
+    scale = kwargs.get("scaling")
+    scale = scale if scale is not None else getattr(module, "scaling", query.shape[-1] ** -0.5)
+    return kernels.attention(query, key, value, float(scale)), None
+
+
+def use_kernel(model, on: bool) -> bool:
+    """Switch a model with the row-invariant attention to the kernel form (on) or back; False when it has neither
+    (another attention implementation: left alone)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    config = model.config
+    if getattr(config, "_attn_implementation", None) not in (NAME, KERNEL_NAME):
+        return False
+    AttentionInterface.register(KERNEL_NAME, row_exact_kernel)
+    AttentionMaskInterface.register(KERNEL_NAME, sdpa_mask)
+    config._attn_implementation = KERNEL_NAME if on else NAME
+    return True
+
+
 def install(model) -> bool:
     """Switch `model` from transformers' SDPA to the row-invariant form; False when it uses another attention."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     config = model.config
+    if getattr(config, "_attn_implementation", None) == KERNEL_NAME:
+        return True
     if getattr(config, "_attn_implementation", None) not in ("sdpa", NAME):
         return False
     AttentionInterface.register(NAME, row_invariant_sdpa)

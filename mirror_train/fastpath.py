@@ -5,9 +5,10 @@ float32 path is slow at that shape (docs/engine.md, "The step against the hardwa
 twice a one-row step that is already bound by reading the weights. Two replacements, swapped in for every
 `nn.Linear` of a model in place, keeping its parameters (and what borrows them: a proxy head's LM head, tied
 embeddings) untouched:
-- `rowgemm` (rowgemm.py): our own small-M kernel, for float32 on a CPU with a C compiler. It streams each weight
-  row once a call whatever the rows, so an 8-token window costs about a one-token step, and it sums every output
-  in one fixed order, so a window equals its one-token steps bit for bit (`Target.exact_windows`).
+- `exact` (kernels.py): our own row-exact kernels for float32 on a CPU with a C compiler, the linears and the
+  attention over the cache. The linear streams each weight row once a call whatever the rows, so an 8-token window
+  costs about a one-token step; both compute every output in one fixed order, so a window equals its one-token
+  steps bit for bit (`Target.exact_windows`) with one attention call a layer instead of one a row.
 - `onednn`: oneDNN with its weights reordered once into its own blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`), from the row count measured to win per
   layer shape (it loses at 1–2 rows); bf16 models, or float32 where the kernel cannot be built.
@@ -15,8 +16,8 @@ Either computes the same function as the plain model, rounding differently in th
 ~1e-4). Lossless is unaffected: every method is verified by the same served model, and the engine's output is that
 model's own greedy output (tests/test_engine_testbed.py).
 
-`kind`: "auto" (rowgemm for a float32 model on a CPU where it builds, else oneDNN on a CPU where torch has it, else
-nothing), "rowgemm", "onednn", or "none".
+`kind`: "auto" (exact for a float32 model on a CPU where it builds, else oneDNN on a CPU where torch has it, else
+nothing), "exact", "onednn", or "none".
 """
 
 from __future__ import annotations
@@ -24,32 +25,32 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mirror_train import rowgemm
+from mirror_train import attention, kernels
 from mirror_train.errors import MirrorTrainError
 from mirror_train.timing import median_ms
 
-KINDS = ("auto", "rowgemm", "onednn", "none")
+KINDS = ("auto", "exact", "onednn", "none")
 
 
 def resolve(kind: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
     """The path `kind` means for a model on `device` computing in `dtype` (None: not known yet, e.g. "auto" for a
-    draft whose precision is chosen later; rowgemm then stands for "rowgemm if float32")."""
+    draft whose precision is chosen later; exact then stands for "exact if float32")."""
     if kind not in KINDS:
         raise MirrorTrainError(f"fast_path must be one of {', '.join(KINDS)}, got {kind!r}")
     device = torch.device(device)
     onednn = device.type == "cpu" and torch.backends.mkldnn.is_available()
-    kernel = device.type == "cpu" and dtype in (None, torch.float32) and rowgemm.available()
+    kernel = device.type == "cpu" and dtype in (None, torch.float32) and kernels.available()
     if kind == "onednn" and not onednn:
         raise MirrorTrainError(f"fast_path=onednn needs a CPU with oneDNN; the model is on {device}")
-    if kind == "rowgemm" and not kernel:
+    if kind == "exact" and not kernel:
         why = (
             "a float32 model on a CPU"
             if device.type != "cpu" or dtype not in (None, torch.float32)
             else ("a C compiler (cc) to build it once")
         )
-        raise MirrorTrainError(f"fast_path=rowgemm needs {why}")
+        raise MirrorTrainError(f"fast_path=exact needs {why}")
     if kind == "auto":
-        return "rowgemm" if kernel else "onednn" if onednn else "none"
+        return "exact" if kernel else "onednn" if onednn else "none"
     return kind
 
 
@@ -64,12 +65,13 @@ def install(model: nn.Module, kind: str = "auto") -> str:
     kind = resolve(kind, param.device, param.dtype)
     if kind == "none":
         return kind
-    linears = [m for m in model.modules() if type(m) in (nn.Linear, PackedLinear, RowLinear)]
+    attention.use_kernel(model, kind == "exact")
+    linears = [m for m in model.modules() if type(m) in (nn.Linear, PackedLinear, ExactLinear)]
     if not linears:
         return kind
-    if kind == "rowgemm":
+    if kind == "exact":
         for module in linears:
-            module.__class__ = RowLinear
+            module.__class__ = ExactLinear
             for key in ("_packed", "_packed_dtype", "min_rows"):  # an earlier oneDNN install's
                 module.__dict__.pop(key, None)
         return kind
@@ -100,7 +102,7 @@ def _crossover(linear: PackedLinear, rows=(1, 2, 4, 8, 16)) -> float:
 
 
 def installed(model: nn.Module) -> bool:
-    return any(isinstance(m, (PackedLinear, RowLinear)) for m in model.modules())
+    return any(isinstance(m, (PackedLinear, ExactLinear)) for m in model.modules())
 
 
 def _plain_copy(module: nn.Linear, memo: dict, drop: tuple[str, ...]) -> nn.Linear:
@@ -115,9 +117,9 @@ def _plain_copy(module: nn.Linear, memo: dict, drop: tuple[str, ...]) -> nn.Line
     return clone
 
 
-class RowLinear(nn.Linear):
-    """An nn.Linear whose inference forward runs the row-exact kernel (rowgemm.py) for float32 CPU calls of up to
-    `rowgemm.MAX_ROWS` rows; anything else (training, a prompt's prefill, another dtype) takes torch's path."""
+class ExactLinear(nn.Linear):
+    """An nn.Linear whose inference forward runs the row-exact kernel (kernels.py) for float32 CPU calls of up to
+    `kernels.MAX_ROWS` rows; anything else (training, a prompt's prefill, another dtype) takes torch's path."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -125,12 +127,12 @@ class RowLinear(nn.Linear):
             x.dtype != torch.float32
             or w.dtype != torch.float32
             or x.device.type != "cpu"
-            or x.numel() > rowgemm.MAX_ROWS * self.in_features
+            or x.numel() > kernels.MAX_ROWS * self.in_features
             or not w.is_contiguous()
             or (torch.is_grad_enabled() and w.requires_grad)
         ):
             return nn.functional.linear(x, w, self.bias)
-        return rowgemm.linear(x, w, self.bias)
+        return kernels.linear(x, w, self.bias)
 
     def __deepcopy__(self, memo):
         return _plain_copy(self, memo, ())

@@ -151,10 +151,12 @@ class Target:
     def new_cache(self):
         from transformers import DynamicCache
 
+        from mirror_train.kv_cache import grow_in_place
+
         cache = DynamicCache(config=self.config)
         # Sliding-window layers must keep the positions a rollback could drop; `crop` trims them to the window.
         cache.activate_past_recording()
-        return cache
+        return grow_in_place(cache)  # no whole-cache copy a step (kv_cache.py)
 
     @staticmethod
     def cache_length(cache) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mirror_train import attention, fastpath, rowgemm
+from mirror_train import attention, fastpath, kernels
 from mirror_train.errors import MirrorTrainError
 from mirror_train.target import Target, check_exit_layer
 from tests.conftest import INEXACT_GEMMS, tiny_model
@@ -120,12 +120,12 @@ def test_testbed_prefix_suffix_and_crop(testbed_target):
 
 
 @pytest.mark.testbed
-@pytest.mark.skipif(not rowgemm.available(), reason="no C compiler here to build the row-exact kernel")
-def test_a_float32_window_on_the_row_exact_kernel_scores_bit_for_bit_as_one_token_steps(testbed_target):
-    """With fastpath's rowgemm (float32 on a CPU) the matmuls are row-exact too, so a float32 window equals one-token
-    decoding bit for bit, as in bf16 above (torch's own float32 GEMMs differ by ~1e-5)."""
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the row-exact kernel")
+def test_a_float32_window_on_the_row_exact_kernels_scores_bit_for_bit_as_one_token_steps(testbed_target):
+    """With fastpath's exact kernels (float32 on a CPU) the matmuls and the attention are row-exact, so a float32
+    window equals one-token decoding bit for bit, as in bf16 above (torch's own float32 GEMMs differ by ~1e-5)."""
     target = testbed_target
-    fastpath.install(target.model, "rowgemm")
+    fastpath.install(target.model, "exact")
     assert attention.gemm_row_invariant(target.model)
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
@@ -208,8 +208,8 @@ def test_row_invariant_attention_leaves_other_shapes_to_sdpa():
 
 def test_the_fast_path_computes_the_same_function_and_a_copy_is_plain():
     """fastpath.install swaps every Linear in place for oneDNN's prepacked one: the same logits (to float32
-    rounding), the same greedy tokens; a deep copy (a cast target) is a plain model again. (The row-exact kernel,
-    auto's float32 choice where it builds: tests/test_rowgemm.py.)"""
+    rounding), the same greedy tokens; a deep copy (a cast target) is a plain model again. (The row-exact kernels,
+    auto's float32 choice where they build: tests/test_kernels.py.)"""
     import copy
 
     from tests.conftest import tiny_model
@@ -218,10 +218,33 @@ def test_the_fast_path_computes_the_same_function_and_a_copy_is_plain():
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         plain = model(ids).logits
-        assert fastpath.install(model, "onednn" if torch.backends.mkldnn.is_available() else "none") != "rowgemm"
+        assert fastpath.install(model, "onednn" if torch.backends.mkldnn.is_available() else "none") != "exact"
         fast = model(ids).logits
     torch.testing.assert_close(fast, plain, atol=1e-4, rtol=1e-4)
     assert torch.equal(fast.argmax(-1), plain.argmax(-1))
     assert not fastpath.installed(copy.deepcopy(model))
     with pytest.raises(MirrorTrainError, match="fast_path"):
         fastpath.resolve("turbo", "cpu")
+
+
+def test_the_growing_cache_holds_what_a_concatenating_one_holds_through_rollbacks_and_regrowth():
+    """kv_cache.GrowingLayer against transformers' DynamicLayer: the same keys and values after appends, crops
+    (rollbacks) and growth past its buffer, and a base-class method that replaces the tensors is followed."""
+    from transformers.cache_utils import DynamicLayer
+
+    from mirror_train.kv_cache import MIN_CAPACITY, GrowingLayer
+
+    g = torch.Generator().manual_seed(0)
+    grown, plain = GrowingLayer(), DynamicLayer()
+    for step, (new, drop) in enumerate([(200, 0), (5, 3), (1, 0), (60, 10), (9, 9), (300, 0), (2, 1)]):
+        k, v = torch.randn(2, 1, 3, new, 4, generator=g)
+        got, want = grown.update(k, v), plain.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+        grown.crop(-drop) if drop else None
+        plain.crop(-drop) if drop else None
+        assert grown.get_seq_length() == plain.get_seq_length()
+    assert grown._key_buffer.shape[-2] >= 2 * MIN_CAPACITY  # it grew, and kept what it held
+    grown.batch_repeat_interleave(2)
+    plain.batch_repeat_interleave(2)
+    k, v = torch.randn(2, 2, 3, 1, 4, generator=g)
+    assert all(torch.equal(a, b) for a, b in zip(grown.update(k, v), plain.update(k, v)))

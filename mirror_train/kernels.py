@@ -1,15 +1,20 @@
-"""A row-exact small-M float32 linear for the CPU: y = x·Wᵀ (+ b) for the 1–64 rows of a decoding step or a
-verification window, each output element summed in one fixed order whatever the number of rows.
+"""Row-exact CPU kernels for float32 decoding: the linear y = x·Wᵀ (+ b) and causal attention over a KV cache, for
+the 1–64 rows of a decoding step or a verification window, each output computed in one fixed order whatever the
+number of rows. A k-row window therefore equals k one-token steps bit for bit (`Target.exact_windows`), which is
+what speculative decoding's verification assumes, and costs about what its arithmetic costs.
 
-Why a kernel of our own (docs/engine.md, "The step against the hardware"): at 2–16 rows torch's float32 GEMMs
-(MKL) run ~2× slower than a one-row step that is already bound by reading the weights, so a verification window
-costs far more than its arithmetic; and MKL rounds a row differently by the rows beside it (a one-row product goes
-to its GEMV, ~1e-5 apart), so a window is not bit for bit the one-token steps it stands for. This kernel streams
-each weight row once per call and reuses it from L1 for every input row, with one accumulation order per output
-(explicit FMAs over the same k-chunks, then the same horizontal sum): a k-row window equals k one-row steps exactly,
-and a window of 8 costs a little more than one row, not twice as much.
+Why kernels of our own (docs/engine.md, "The step against the hardware"): at 2–16 rows torch's float32 GEMMs (MKL)
+run ~2× slower than a one-row step that is already bound by reading the weights, and they round a row differently
+by the rows beside it (a one-row product goes to a GEMV, ~1e-5 apart); torch's fused attention blocks a k-row
+causal window differently from one-row decoding, so exactness took k separate attention calls a layer.
+- `linear`: streams each weight row once a call and reuses it from L1 for every input row (4 weight rows × up to 4
+  input rows a block, the next block's rows prefetched); per output, explicit FMAs over the same k-chunks, then the
+  same horizontal sum.
+- `attention`: for each head and query row, the scores over exactly the keys that row sees, a max, exponentials
+  (a fixed polynomial) summed in order, and the values accumulated in order: a function of the row's query and its
+  keys alone, so a window row is the one-token step at that position.
 
-Built once per machine with the system C compiler (`cc -O3 -march=native`, a few hundred ms) into
+Built once per machine with the system C compiler (`cc -O3 -march=native`, under a second) into
 ~/.cache/mirror-train/kernels (or $MIRROR_TRAIN_KERNELS), keyed by the source and the CPU's flags, and loaded with
 ctypes (no torch headers, no build step at install). Where there is no compiler, or the build fails, `available()`
 is False and callers keep torch's path.
@@ -40,6 +45,9 @@ typedef __m512 vec;
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VZERO() _mm512_setzero_ps()
+#define VSTORE(p, a) _mm512_storeu_ps(p, a)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VSUB(a, b) _mm512_sub_ps(a, b)
 static inline float vsum(vec v) {
     __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
     __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -54,6 +62,9 @@ typedef __m256 vec;
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VZERO() _mm256_setzero_ps()
+#define VSTORE(p, a) _mm256_storeu_ps(p, a)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VSUB(a, b) _mm256_sub_ps(a, b)
 static inline float vsum(vec v) {
     __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
@@ -66,6 +77,10 @@ typedef float vec;
 #define VLOAD(p) (*(p))
 #define VFMA(a, b, c) fmaf(a, b, c)
 #define VZERO() 0.0f
+#define VSTORE(p, a) (*(p) = (a))
+#define VADD(a, b) ((a) + (b))
+#define VSUB(a, b) ((a) - (b))
+#define VSET(c) (c)
 static inline float vsum(vec v) { return v; }
 #endif
 
@@ -100,6 +115,101 @@ static void block_##NB##_##MB(const float *x, int64_t ldx, const float *w, int64
 BLOCK(4, 4) BLOCK(4, 3) BLOCK(4, 2) BLOCK(4, 1)
 BLOCK(1, 4) BLOCK(1, 3) BLOCK(1, 2) BLOCK(1, 1)
 
+/* exp(x) for x <= 0 (a softmax's shifted scores): Cephes' expf polynomial after x = n ln2 + r. */
+#if LANES > 1
+#define VSET(c) VSET1(c)
+#endif
+#if LANES == 16
+#define VSET1(c) _mm512_set1_ps(c)
+static inline vec vexp(vec x) {
+    x = _mm512_max_ps(x, VSET(-87.0f));
+    vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, VSET(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vec r = _mm512_fnmadd_ps(n, VSET(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, VSET(-2.12194440e-4f), r);
+    vec p = VSET(1.9875691500e-4f);
+    p = VFMA(p, r, VSET(1.3981999507e-3f));
+    p = VFMA(p, r, VSET(8.3334519073e-3f));
+    p = VFMA(p, r, VSET(4.1665795894e-2f));
+    p = VFMA(p, r, VSET(1.6666665459e-1f));
+    p = VFMA(p, r, VSET(5.0000001201e-1f));
+    p = VFMA(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, VSET(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+#elif LANES == 8
+#define VSET1(c) _mm256_set1_ps(c)
+static inline vec vexp(vec x) {
+    x = _mm256_max_ps(x, VSET(-87.0f));
+    vec n = _mm256_round_ps(_mm256_mul_ps(x, VSET(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vec r = _mm256_fnmadd_ps(n, VSET(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, VSET(-2.12194440e-4f), r);
+    vec p = VSET(1.9875691500e-4f);
+    p = VFMA(p, r, VSET(1.3981999507e-3f));
+    p = VFMA(p, r, VSET(8.3334519073e-3f));
+    p = VFMA(p, r, VSET(4.1665795894e-2f));
+    p = VFMA(p, r, VSET(1.6666665459e-1f));
+    p = VFMA(p, r, VSET(5.0000001201e-1f));
+    p = VFMA(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, VSET(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#else
+static inline vec vexp(vec x) { return expf(x); }
+#endif
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    vec acc = VZERO();
+    int64_t d = 0;
+    for (; d + LANES <= D; d += LANES) acc = VFMA(VLOAD(a + d), VLOAD(b + d), acc);
+    float s = vsum(acc);
+    for (; d < D; d++) s = fmaf(a[d], b[d], s);
+    return s;
+}
+
+/* Causal attention of M query rows at the end of a cache of L positions (row i sees keys 0..L-M+i), grouped-query
+   heads: q (H heads x M rows x D, strides q_sh, q_sm), k / v (KVH heads x L x D, strides kv_sh, kv_sl),
+   out (M x H x D, contiguous), scratch: L floats. Every (head, row) is a function of its query and the keys it
+   sees alone: the same arithmetic in the same order whatever M. */
+void attention_f32(const float *q, int64_t q_sh, int64_t q_sm, const float *k, const float *v, int64_t kv_sh,
+                   int64_t kv_sl, float *out, float *s, int64_t M, int64_t H, int64_t KVH, int64_t L, int64_t D,
+                   float scale) {
+    int64_t group = H / KVH;
+    for (int64_t h = 0; h < H; h++) {
+        const float *kh = k + (h / group) * kv_sh, *vh = v + (h / group) * kv_sh;
+        for (int64_t i = 0; i < M; i++) {
+            const float *qi = q + h * q_sh + i * q_sm;
+            int64_t seen = L - M + i + 1;
+            float mx = -INFINITY;
+            for (int64_t l = 0; l < seen; l++) {
+                s[l] = dot(qi, kh + l * kv_sl, D) * scale;
+                mx = s[l] > mx ? s[l] : mx;
+            }
+            vec vmx = VSET(mx), vtot = VZERO();
+            int64_t l = 0;
+            for (; l + LANES <= seen; l += LANES) {
+                vec e = vexp(VSUB(VLOAD(s + l), vmx));
+                VSTORE(s + l, e);
+                vtot = VADD(vtot, e);
+            }
+            float total = vsum(vtot);
+            for (; l < seen; l++) {
+                s[l] = expf(s[l] - mx);
+                total += s[l];
+            }
+            float *o = out + (i * H + h) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+            for (int64_t l2 = 0; l2 < seen; l2++) {
+                vec p = VSET(s[l2]);
+                const float *vl = vh + l2 * kv_sl;
+                int64_t d = 0;
+                for (; d + LANES <= D; d += LANES) VSTORE(o + d, VFMA(p, VLOAD(vl + d), VLOAD(o + d)));
+                for (; d < D; d++) o[d] = fmaf(s[l2], vl[d], o[d]);
+            }
+            float inv = 1.0f / total;
+            for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        }
+    }
+}
+
 typedef void (*block_fn)(const float *, int64_t, const float *, int64_t, const float *, float *, int64_t, int);
 static const block_fn WIDE[5] = {0, block_4_1, block_4_2, block_4_3, block_4_4};
 static const block_fn NARROW[5] = {0, block_1_1, block_1_2, block_1_3, block_1_4};
@@ -132,6 +242,12 @@ def _cpu_flags() -> str:
     return platform.processor() + platform.machine()
 
 
+def _arch() -> str:
+    """The -march the kernels are built for: native (this CPU's widest vectors); $MIRROR_TRAIN_KERNEL_ARCH overrides
+    it (tests build x86-64-v3, AVX2, and x86-64, scalar, to check each code path on one machine)."""
+    return os.environ.get("MIRROR_TRAIN_KERNEL_ARCH", "native")
+
+
 def _cache_dir() -> Path:
     return Path(os.environ.get("MIRROR_TRAIN_KERNELS", "~/.cache/mirror-train/kernels")).expanduser()
 
@@ -141,14 +257,14 @@ def _library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use (None where it cannot be: no compiler, not x86/Linux, a failed build)."""
     if platform.system() != "Linux":
         return None
-    key = hashlib.sha256((SOURCE + _cpu_flags()).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"rowgemm_{key}.so"
+    key = hashlib.sha256((SOURCE + _cpu_flags() + _arch()).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"mirror_kernels_{key}.so"
     if not path.exists():
         compiler = os.environ.get("CC", "cc")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                src, out = Path(tmp) / "rowgemm.c", Path(tmp) / "rowgemm.so"
+                src, out = Path(tmp) / "kernels.c", Path(tmp) / "kernels.so"
                 src.write_text(SOURCE)
                 cmd = [
                     compiler,
@@ -172,6 +288,9 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.rowgemm_f32
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+    fn.restype = None
+    fn = lib.attention_f32
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
     fn.restype = None
     return lib
 
@@ -201,3 +320,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         k,
     )
     return out.view(*x.shape[:-1], n)
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a window of M query rows at the end of a cache: query (1, H, M, D), key and value
+    (1, KVH, L, D) holding the cache and the window (L ≥ M; row i sees keys 0..L−M+i; H a multiple of KVH); float32
+    CPU tensors, the last dimension contiguous. Returns (1, M, H, D), the layout transformers' attention functions
+    return. Call only where `available()`."""
+    _, heads, rows, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if key.stride(-1) != 1 or value.stride() != key.stride():
+        key, value = key.contiguous(), value.contiguous()
+    out = torch.empty(1, rows, heads, dim, dtype=torch.float32)
+    scratch = torch.empty(length, dtype=torch.float32)
+    _library().attention_f32(
+        query.data_ptr(),
+        query.stride(1),
+        query.stride(2),
+        key.data_ptr(),
+        value.data_ptr(),
+        key.stride(1),
+        key.stride(2),
+        out.data_ptr(),
+        scratch.data_ptr(),
+        rows,
+        heads,
+        kv_heads,
+        length,
+        dim,
+        scale,
+    )
+    return out

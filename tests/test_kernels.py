@@ -1,0 +1,143 @@
+"""The row-exact kernels (kernels.py) and the fast path that serves them (fastpath.py)."""
+
+from __future__ import annotations
+
+import copy
+import platform
+
+import pytest
+import torch
+from torch import nn
+
+from mirror_train import fastpath, kernels
+from mirror_train.errors import MirrorTrainError
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the kernel")
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "n,k,bias", [(576, 576, False), (49, 1536, False), (7, 13, True), (5, 3, True), (1, 64, False)]
+)
+def test_the_kernel_computes_the_linear_and_every_row_is_exact_whatever_the_rows(n, k, bias):
+    """Each output equals float64's within float32 rounding, and row i of a k-row call equals the one-row call on
+    row i bit for bit, for every k (the property that makes a verification window equal its one-token steps)."""
+    g = torch.Generator().manual_seed(n + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(17, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    full = kernels.linear(x, w, b)
+    exact = nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(full.double(), exact, atol=1e-4 * k**0.5, rtol=1e-5)
+    for r in range(len(x)):
+        assert torch.equal(kernels.linear(x[r : r + 1], w, b), full[r : r + 1])
+    for rows in range(1, len(x) + 1):
+        assert torch.equal(kernels.linear(x[:rows], w, b), full[:rows])
+    assert kernels.linear(x[None, :3], w, b).shape == (1, 3, n)  # leading dims kept
+
+
+def _attention_reference(q, k, v, scale):
+    """float64 causal attention of a window at the end of the cache, grouped-query heads, (1, M, H, D)."""
+    heads, rows, length = q.shape[1], q.shape[2], k.shape[2]
+    k = k.double().repeat_interleave(heads // k.shape[1], dim=1)
+    v = v.double().repeat_interleave(heads // v.shape[1], dim=1)
+    scores = q.double() @ k.transpose(-1, -2) * scale
+    visible = torch.arange(length)[None, :] <= torch.arange(length - rows, length)[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+def _check_attention():
+    g = torch.Generator().manual_seed(0)
+    for heads, kv_heads, dim, length in ((9, 3, 64, 40), (4, 4, 20, 9), (2, 1, 7, 3)):
+        q = torch.randn(1, heads, 9, dim, generator=g)
+        k, v = torch.randn(2, 1, kv_heads, length + 9, dim, generator=g)
+        full = kernels.attention(q, k, v, dim**-0.5)
+        torch.testing.assert_close(full.double(), _attention_reference(q, k, v, dim**-0.5), atol=2e-6, rtol=1e-5)
+        for rows in (1, 2, 5, 9):  # the last `rows` queries of the window, over the cache up to them
+            for i in range(rows):
+                seen = length + 9 - rows + i + 1
+                one = kernels.attention(
+                    q[:, :, 9 - rows + i : 10 - rows + i], k[:, :, :seen], v[:, :, :seen], dim**-0.5
+                )
+                assert torch.equal(one[0, 0], full[0, 9 - rows + i]), (heads, rows, i)
+
+
+def _check_linear():
+    g = torch.Generator().manual_seed(1)
+    for n, k in ((37, 576), (5, 13)):
+        w, x = torch.randn(n, k, generator=g), torch.randn(9, k, generator=g)
+        full = kernels.linear(x, w)
+        torch.testing.assert_close(full.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-5)
+        assert all(torch.equal(kernels.linear(x[r : r + 1], w), full[r : r + 1]) for r in range(9))
+
+
+@needs_kernel
+def test_the_attention_kernel_is_causal_attention_and_a_window_row_is_its_one_token_step():
+    """Row i of a window equals the one-row call over exactly the keys it sees, bit for bit (the property that
+    makes a window's verification equal one-token decoding), and both are attention to float32 rounding."""
+    _check_attention()
+    q, k = torch.randn(1, 3, 2, 8).transpose(1, 2), torch.randn(1, 2, 16, 8)[:, :, ::2]  # strided, as served
+    torch.testing.assert_close(kernels.attention(q, k, k, 0.3).double(), _attention_reference(q, k, k, 0.3))
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not kernels.available(), reason="x86-64 builds")
+@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])
+def test_the_avx2_and_scalar_builds_compute_the_same_functions_row_exact(arch, monkeypatch, tmp_path):
+    """The AVX2 machines this project runs on (no AVX-512) and plain x86-64 get their own code paths: built here
+    with -march=x86-64-v3 and -march=x86-64 and checked like the native build."""
+    monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))
+    monkeypatch.setenv("MIRROR_TRAIN_KERNEL_ARCH", arch)
+    kernels._library.cache_clear()
+    try:
+        assert kernels.available()
+        _check_linear()
+        _check_attention()
+    finally:
+        kernels._library.cache_clear()
+
+
+@needs_kernel
+def test_an_exact_model_is_the_same_function_row_exact_and_a_copy_is_plain():
+    from mirror_train.attention import gemm_row_invariant
+    from mirror_train.random_models import tiny_model
+
+    model = tiny_model()
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        plain = model(ids).logits
+        assert fastpath.install(model, "auto") == "exact"
+        fast = model(ids).logits
+    torch.testing.assert_close(fast, plain, atol=1e-4, rtol=1e-4)
+    assert torch.equal(fast.argmax(-1), plain.argmax(-1))
+    assert gemm_row_invariant(model)  # so a float32 target's windows are exact (Target.exact_windows)
+    assert fastpath.installed(model) and not fastpath.installed(copy.deepcopy(model))
+    assert fastpath.install(model, "onednn") == "onednn" and fastpath.install(model, "exact") == "exact"
+    with torch.enable_grad():  # training takes torch's path, gradients and all
+        x = torch.randn(2, model.config.hidden_size, requires_grad=True)
+        linear = model.lm_head
+        linear.weight.requires_grad_(True)
+        linear(x).sum().backward()
+        assert x.grad is not None
+
+
+def test_the_fast_path_is_chosen_by_device_and_dtype():
+    expected = "exact" if kernels.available() else "onednn" if torch.backends.mkldnn.is_available() else "none"
+    assert fastpath.resolve("auto", "cpu", torch.float32) == expected
+    assert fastpath.resolve("auto", "cpu", torch.bfloat16) in ("onednn", "none")  # the kernel is float32 only
+    with pytest.raises(MirrorTrainError, match="float32 model on a CPU"):
+        fastpath.resolve("exact", "cpu", torch.bfloat16)
+    with pytest.raises(MirrorTrainError, match="fast_path must be one of"):
+        fastpath.resolve("turbo", "cpu")
+
+
+def test_without_a_compiler_the_kernel_is_unavailable_and_auto_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    kernels._library.cache_clear()
+    try:
+        assert not kernels.available()
+        assert fastpath.resolve("auto", "cpu", torch.float32) in ("onednn", "none")
+        with pytest.raises(MirrorTrainError, match="C compiler"):
+            fastpath.resolve("exact", "cpu", torch.float32)
+    finally:
+        kernels._library.cache_clear()
