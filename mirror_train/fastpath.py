@@ -5,19 +5,22 @@ float32 path is slow at that shape (docs/engine.md, "The step against the hardwa
 twice a one-row step that is already bound by reading the weights. Two replacements, swapped in for every
 `nn.Linear` of a model in place, keeping its parameters (and what borrows them: a proxy head's LM head, tied
 embeddings) untouched:
-- `exact` (kernels.py): our own row-exact kernels for float32 on a CPU with a C compiler, the linears and the
-  attention over the cache. The linear streams each weight row once a call whatever the rows, so an 8-token window
-  costs about a one-token step; both compute every output in one fixed order, so a window equals its one-token
-  steps bit for bit (`Target.exact_windows`) with one attention call a layer instead of one a row.
+- `exact` (kernels.py): our own row-exact kernels on a CPU with a C compiler: the linears (float32 or bfloat16
+  weights, float32 sums) and, in float32, the attention over the cache. The linear streams each weight row once a
+  call whatever the rows, so an 8-token window costs about a one-token step; both compute every output in one
+  fixed order, so a window equals its one-token steps bit for bit (`Target.exact_windows`, on every CPU), with one
+  attention call a layer instead of one a row.
 - `onednn`: oneDNN with its weights reordered once into its own blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`), from the row count measured to win per
-  layer shape (it loses at 1–2 rows); bf16 models, or float32 where the kernel cannot be built.
+  layer shape (it loses at 1–2 rows): where the kernels cannot be built.
 Either computes the same function as the plain model, rounding differently in the last bits (float32 logits within
 ~1e-4). Lossless is unaffected: every method is verified by the same served model, and the engine's output is that
 model's own greedy output (tests/test_engine_testbed.py).
 
-`kind`: "auto" (exact for a float32 model on a CPU where it builds, else oneDNN on a CPU where torch has it, else
-nothing), "exact", "onednn", or "none".
+`kind`: "auto" (exact for a float32 model on a CPU where the kernels build, else oneDNN on a CPU where torch has it,
+else nothing), "exact", "onednn", or "none". A bfloat16 model takes `exact` only when asked: its float32 sums,
+rounded once, are a different bf16 function from torch's (the testbed's greedy text changed at the 9th token of a
+prompt against transformers' bf16 generate), though its windows are then exact on every CPU.
 """
 
 from __future__ import annotations
@@ -34,23 +37,23 @@ KINDS = ("auto", "exact", "onednn", "none")
 
 def resolve(kind: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
     """The path `kind` means for a model on `device` computing in `dtype` (None: not known yet, e.g. "auto" for a
-    draft whose precision is chosen later; exact then stands for "exact if float32")."""
+    draft whose precision is chosen later)."""
     if kind not in KINDS:
         raise MirrorTrainError(f"fast_path must be one of {', '.join(KINDS)}, got {kind!r}")
     device = torch.device(device)
     onednn = device.type == "cpu" and torch.backends.mkldnn.is_available()
-    kernel = device.type == "cpu" and dtype in (None, torch.float32) and kernels.available()
+    kernel = device.type == "cpu" and dtype in (None, *kernels.WEIGHT_DTYPES) and kernels.available()
     if kind == "onednn" and not onednn:
         raise MirrorTrainError(f"fast_path=onednn needs a CPU with oneDNN; the model is on {device}")
     if kind == "exact" and not kernel:
         why = (
-            "a float32 model on a CPU"
-            if device.type != "cpu" or dtype not in (None, torch.float32)
-            else ("a C compiler (cc) to build it once")
+            "a float32 or bfloat16 model on a CPU"
+            if device.type != "cpu" or dtype not in (None, *kernels.WEIGHT_DTYPES)
+            else "a C compiler (cc) to build it once"
         )
         raise MirrorTrainError(f"fast_path=exact needs {why}")
-    if kind == "auto":
-        return "exact" if kernel else "onednn" if onednn else "none"
+    if kind == "auto":  # bf16: torch's own rounding kept (the kernels' float32 sums change a bf16 model's greedy text)
+        return "exact" if kernel and dtype in (None, torch.float32) else "onednn" if onednn else "none"
     return kind
 
 
@@ -118,14 +121,13 @@ def _plain_copy(module: nn.Linear, memo: dict, drop: tuple[str, ...]) -> nn.Line
 
 
 class ExactLinear(nn.Linear):
-    """An nn.Linear whose inference forward runs the row-exact kernel (kernels.py) for float32 CPU calls of up to
-    `kernels.MAX_ROWS` rows; anything else (training, a prompt's prefill, another dtype) takes torch's path."""
+    """An nn.Linear whose inference forward runs the row-exact kernel (kernels.py) for float32 or bfloat16 CPU calls
+    of up to `kernels.MAX_ROWS` rows; anything else (training, a prompt's prefill, another dtype) takes torch's path."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (
-            x.dtype != torch.float32
-            or w.dtype != torch.float32
+            w.dtype not in kernels.WEIGHT_DTYPES
             or x.device.type != "cpu"
             or x.numel() > kernels.MAX_ROWS * self.in_features
             or not w.is_contiguous()

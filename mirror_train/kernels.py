@@ -84,11 +84,31 @@ typedef float vec;
 static inline float vsum(vec v) { return v; }
 #endif
 
+/* Weights in float32 or bfloat16 (widened exactly to float32 on load; the arithmetic is float32 either way). */
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } c = {(uint32_t)h << 16};
+    return c.f;
+}
+#define F32_SCALAR(p) (*(p))
+#define BF16_SCALAR(p) bf16_to_f32(*(p))
+#if LANES == 16
+#define F32_LOAD(p) _mm512_loadu_ps(p)
+#define BF16_LOAD(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#elif LANES == 8
+#define F32_LOAD(p) _mm256_loadu_ps(p)
+#define BF16_LOAD(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#else
+#define F32_LOAD(p) (*(p))
+#define BF16_LOAD(p) bf16_to_f32(*(p))
+#endif
+
 /* NB weight rows x MB input rows: every output accumulates over the same k-chunks in the same order, so its value
-   does not depend on NB, MB or how many rows the call has. */
-#define BLOCK(NB, MB)                                                                                             \
-static void block_##NB##_##MB(const float *x, int64_t ldx, const float *w, int64_t K, const float *b, float *y,       \
-                              int64_t ldy, int pf) {                                                               \
+   does not depend on NB, MB or how many rows the call has. pf: prefetch the next block's weight rows into L2. */
+#define BLOCK(T, WT, NB, MB)                                                                                       \
+static void T##_block_##NB##_##MB(const float *x, int64_t ldx, const WT *w, int64_t K, const float *b, float *y,    \
+                                  int64_t ldy, int pf) {                                                           \
     vec acc[NB][MB];                                                                                               \
     for (int i = 0; i < NB; i++)                                                                                   \
         for (int j = 0; j < MB; j++) acc[i][j] = VZERO();                                                          \
@@ -96,8 +116,8 @@ static void block_##NB##_##MB(const float *x, int64_t ldx, const float *w, int64
     for (; k + LANES <= K; k += LANES) {                                                                           \
         vec wv[NB];                                                                                                \
         for (int i = 0; i < NB; i++) {                                                                             \
-            wv[i] = VLOAD(w + i * K + k);                                                                          \
-            if (pf) __builtin_prefetch(w + (i + NB) * K + k, 0, 2);                                                    \
+            wv[i] = T##_LOAD(w + i * K + k);                                                                       \
+            if (pf) __builtin_prefetch(w + (i + NB) * K + k, 0, 2);                                                \
         }                                                                                                          \
         for (int j = 0; j < MB; j++) {                                                                             \
             vec xv = VLOAD(x + j * ldx + k);                                                                       \
@@ -107,13 +127,35 @@ static void block_##NB##_##MB(const float *x, int64_t ldx, const float *w, int64
     for (int i = 0; i < NB; i++)                                                                                   \
         for (int j = 0; j < MB; j++) {                                                                             \
             float s = vsum(acc[i][j]);                                                                             \
-            for (int64_t t = k; t < K; t++) s = fmaf(x[j * ldx + t], w[i * K + t], s);                             \
+            for (int64_t t = k; t < K; t++) s = fmaf(x[j * ldx + t], T##_SCALAR(w + i * K + t), s);                \
             if (b) s += b[i];                                                                                      \
             y[j * ldy + i] = s;                                                                                    \
         }                                                                                                          \
 }
-BLOCK(4, 4) BLOCK(4, 3) BLOCK(4, 2) BLOCK(4, 1)
-BLOCK(1, 4) BLOCK(1, 3) BLOCK(1, 2) BLOCK(1, 1)
+
+/* y (M x N, row stride ldy) = x (M x K, row stride ldx) . w^T, w (N x K) contiguous; b (N, float32) or NULL. */
+#define LINEAR(T, WT)                                                                                              \
+BLOCK(T, WT, 4, 4) BLOCK(T, WT, 4, 3) BLOCK(T, WT, 4, 2) BLOCK(T, WT, 4, 1)                                        \
+BLOCK(T, WT, 1, 4) BLOCK(T, WT, 1, 3) BLOCK(T, WT, 1, 2) BLOCK(T, WT, 1, 1)                                        \
+typedef void (*T##_block_fn)(const float *, int64_t, const WT *, int64_t, const float *, float *, int64_t, int);    \
+static const T##_block_fn T##_WIDE[5] = {0, T##_block_4_1, T##_block_4_2, T##_block_4_3, T##_block_4_4};           \
+static const T##_block_fn T##_NARROW[5] = {0, T##_block_1_1, T##_block_1_2, T##_block_1_3, T##_block_1_4};         \
+void linear_##T(const float *x, int64_t ldx, const WT *w, const float *b, float *y, int64_t ldy, int64_t M,         \
+                int64_t N, int64_t K) {                                                                            \
+    int64_t n = 0;                                                                                                 \
+    for (; n + 4 <= N; n += 4)                                                                                     \
+        for (int64_t m = 0; m < M; m += 4) {                                                                       \
+            int64_t mb = M - m < 4 ? M - m : 4;                                                                    \
+            T##_WIDE[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy, m == 0 && n + 8 <= N); \
+        }                                                                                                          \
+    for (; n < N; n++)                                                                                             \
+        for (int64_t m = 0; m < M; m += 4) {                                                                       \
+            int64_t mb = M - m < 4 ? M - m : 4;                                                                    \
+            T##_NARROW[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy, 0);                \
+        }                                                                                                          \
+}
+LINEAR(F32, float)
+LINEAR(BF16, uint16_t)
 
 /* exp(x) for x <= 0 (a softmax's shifted scores): Cephes' expf polynomial after x = n ln2 + r. */
 #if LANES > 1
@@ -209,26 +251,6 @@ void attention_f32(const float *q, int64_t q_sh, int64_t q_sm, const float *k, c
         }
     }
 }
-
-typedef void (*block_fn)(const float *, int64_t, const float *, int64_t, const float *, float *, int64_t, int);
-static const block_fn WIDE[5] = {0, block_4_1, block_4_2, block_4_3, block_4_4};
-static const block_fn NARROW[5] = {0, block_1_1, block_1_2, block_1_3, block_1_4};
-
-/* y (M x N, row stride ldy) = x (M x K, row stride ldx) . w^T, w (N x K) contiguous; b (N) or NULL. */
-void rowgemm_f32(const float *x, int64_t ldx, const float *w, const float *b, float *y, int64_t ldy, int64_t M,
-                 int64_t N, int64_t K) {
-    int64_t n = 0;
-    for (; n + 4 <= N; n += 4)
-        for (int64_t m = 0; m < M; m += 4) {
-            int64_t mb = M - m < 4 ? M - m : 4;
-            WIDE[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy, m == 0 && n + 8 <= N);
-        }
-    for (; n < N; n++)
-        for (int64_t m = 0; m < M; m += 4) {
-            int64_t mb = M - m < 4 ? M - m : 4;
-            NARROW[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy, 0);
-        }
-}
 """
 
 
@@ -281,17 +303,32 @@ def _library() -> ctypes.CDLL | None:
                 out.replace(path)  # atomic: a concurrent build or a kill leaves no half-written library
         except (OSError, subprocess.SubprocessError):
             return None
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     try:
         lib = ctypes.CDLL(str(path))
-    except OSError:
+        for fn in (lib.linear_F32, lib.linear_BF16):
+            fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+            fn.restype = None
+        lib.attention_f32.argtypes = [
+            ptr,
+            i64,
+            i64,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            ctypes.c_float,
+        ]
+        lib.attention_f32.restype = None
+    except (OSError, AttributeError):  # not loadable here, or not the library this source builds
         return None
-    fn = lib.rowgemm_f32
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
-    fn.restype = None
-    fn = lib.attention_f32
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
-    fn.restype = None
     return lib
 
 
@@ -299,27 +336,26 @@ def available() -> bool:
     return _library() is not None
 
 
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) · weightᵀ (+ bias) for float32 CPU tensors with at most MAX_ROWS rows; `weight` contiguous (N, K).
-    Call only where `available()`."""
+    """x (..., K) · weightᵀ (+ bias) on the CPU for at most MAX_ROWS rows; `weight` contiguous (N, K), float32 or
+    bfloat16 (widened exactly; the sums are float32, the result rounded once to x's dtype). Call only where
+    `available()`."""
     rows = x.reshape(-1, x.shape[-1])
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
+    if rows.dtype != torch.float32 or not rows.is_contiguous():
+        rows = rows.to(torch.float32).contiguous()
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
     m, k = rows.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    _library().rowgemm_f32(
-        rows.data_ptr(),
-        k,
-        weight.data_ptr(),
-        bias.data_ptr() if bias is not None else None,
-        out.data_ptr(),
-        n,
-        m,
-        n,
-        k,
-    )
-    return out.view(*x.shape[:-1], n)
+    kernel = _library().linear_F32 if weight.dtype == torch.float32 else _library().linear_BF16
+    b = bias.data_ptr() if bias is not None else None
+    kernel(rows.data_ptr(), k, weight.data_ptr(), b, out.data_ptr(), n, m, n, k)
+    out = out.view(*x.shape[:-1], n)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:

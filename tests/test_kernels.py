@@ -65,10 +65,19 @@ def _check_attention():
 def _check_linear():
     g = torch.Generator().manual_seed(1)
     for n, k in ((37, 576), (5, 13)):
-        w, x = torch.randn(n, k, generator=g), torch.randn(9, k, generator=g)
-        full = kernels.linear(x, w)
-        torch.testing.assert_close(full.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-5)
-        assert all(torch.equal(kernels.linear(x[r : r + 1], w), full[r : r + 1]) for r in range(9))
+        for dtype in kernels.WEIGHT_DTYPES:  # bf16 weights are widened exactly; sums in float32, one rounding
+            w, x = torch.randn(n, k, generator=g).to(dtype), torch.randn(9, k, generator=g).to(dtype)
+            full = kernels.linear(x, w)
+            assert full.dtype == dtype
+            exact = (x.double() @ w.double().T).to(dtype)
+            tol = 1e-4 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(full.double(), exact.double(), atol=tol * k**0.5, rtol=tol)
+            assert all(torch.equal(kernels.linear(x[r : r + 1], w), full[r : r + 1]) for r in range(9))
+
+
+@needs_kernel
+def test_bfloat16_weights_take_the_same_kernel_row_exact():
+    _check_linear()
 
 
 @needs_kernel
@@ -123,9 +132,10 @@ def test_an_exact_model_is_the_same_function_row_exact_and_a_copy_is_plain():
 def test_the_fast_path_is_chosen_by_device_and_dtype():
     expected = "exact" if kernels.available() else "onednn" if torch.backends.mkldnn.is_available() else "none"
     assert fastpath.resolve("auto", "cpu", torch.float32) == expected
-    assert fastpath.resolve("auto", "cpu", torch.bfloat16) in ("onednn", "none")  # the kernel is float32 only
-    with pytest.raises(MirrorTrainError, match="float32 model on a CPU"):
-        fastpath.resolve("exact", "cpu", torch.bfloat16)
+    assert fastpath.resolve("auto", "cpu", torch.bfloat16) in ("onednn", "none")  # torch's bf16 rounding kept
+    assert fastpath.resolve("auto", "cpu", torch.float16) in ("onednn", "none")  # the kernels take f32 / bf16
+    with pytest.raises(MirrorTrainError, match="float32 or bfloat16 model on a CPU"):
+        fastpath.resolve("exact", "cpu", torch.float16)
     with pytest.raises(MirrorTrainError, match="fast_path must be one of"):
         fastpath.resolve("turbo", "cpu")
 
