@@ -6,7 +6,9 @@ the default and the fast forward path (mirror_train/fastpath.py), one thread, as
 - bandwidth: a `torch` sum over a 1 GB float32 tensor, one thread (GB/s); floor: the target's weight bytes at
   that bandwidth (a one-token step must read every weight once);
 - step_ms / default_step_ms: median ms of a forward of 1, 2, 4, 8, 16 new tokens after `--context` cached
-  positions (the cache cropped back after each), on the fast path and on torch's default path;
+  positions (the cache cropped back after each), on the fast path (`auto`: the row-exact kernels where they build)
+  and on torch's default path (its linears, the row-invariant attention's one SDPA call a row); onednn_step_ms the
+  same on oneDNN's prepacked linears, for comparison (where torch has oneDNN);
 - draft_ms (with --draft): the draft's tree forward of one node with its streams, on the same thread, and its
   ratio to the target's one-token step.
 Prints a Markdown table, or one JSON object with --json.
@@ -21,6 +23,7 @@ import platform
 import torch
 
 from mirror_train import fastpath
+from mirror_train.devices import resolve_dtype
 from mirror_train.target import Target
 from mirror_train.timing import median_ms, torch_threads
 
@@ -58,11 +61,11 @@ def step_times(target: Target, context: int, repeats: int) -> dict[int, float]:
     return out
 
 
-def draft_time(target: Target, path: str, context: int, repeats: int) -> float:
+def draft_time(target: Target, path: str, context: int, repeats: int, dtype: torch.dtype) -> float:
     from mirror_train.engine.rollout import keep_cache_path
     from mirror_train.models.draft_artifact import load_draft
 
-    draft = load_draft(path, target).requires_grad_(False)
+    draft = load_draft(path, target).requires_grad_(False).to(dtype)  # as the engine serves it (draft_dtype)
     fastpath.install(draft, "auto")
     ids = torch.randint(0, target.vocab_size, (1, context))
     cache = draft.new_cache()
@@ -80,6 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="testbed")
     ap.add_argument("--draft", default=None, help="an exported draft: its one-node forward beside the target's step")
+    ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="as the engine's")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--json", action="store_true")
@@ -90,6 +94,10 @@ def main() -> None:
     with torch_threads(1), torch.inference_mode():
         bandwidth = read_bandwidth_gbs()
         default = step_times(target, args.context, args.repeats)
+        onednn = None
+        if torch.backends.mkldnn.is_available():
+            fastpath.install(target.model, "onednn")
+            onednn = step_times(target, args.context, args.repeats)
         kind = fastpath.install(target.model, "auto")
         fast = step_times(target, args.context, args.repeats)
     result = {
@@ -103,21 +111,27 @@ def main() -> None:
         "step_ms": {w: round(t, 2) for w, t in fast.items()},
         "default_step_ms": {w: round(t, 2) for w, t in default.items()},
     }
+    if onednn is not None:
+        result["onednn_step_ms"] = {w: round(t, 2) for w, t in onednn.items()}
     if args.draft:
         with torch_threads(1):
-            result["draft_ms"] = round(draft_time(target, args.draft, args.context, args.repeats), 2)
+            dtype = resolve_dtype(args.draft_dtype, "cpu")
+            result["draft_dtype"] = str(dtype).removeprefix("torch.")
+            result["draft_ms"] = round(draft_time(target, args.draft, args.context, args.repeats, dtype), 2)
         result["draft_over_step"] = round(result["draft_ms"] / result["step_ms"][1], 3)
     if args.json:
         print(json.dumps(result))
         return
     print(f"{result['cpu']}: {result['bandwidth_gbs']} GB/s read, floor {result['floor_ms']} ms ({kind} fast path)")
-    print("| new tokens | default ms | fast ms | fast / floor | fast / one-token fast |\n|---|---|---|---|---|")
+    print("| new tokens | default ms | oneDNN ms | fast ms | fast / floor | fast / one-token fast |")
+    print("|---|---|---|---|---|---|")
     for w in WIDTHS:
-        print(
-            f"| {w} | {default[w]:.1f} | {fast[w]:.1f} | {fast[w] / result['floor_ms']:.2f} | {fast[w] / fast[1]:.2f} |"
-        )
+        dnn = f"{onednn[w]:.1f}" if onednn else "–"
+        floor = fast[w] / result["floor_ms"]
+        print(f"| {w} | {default[w]:.1f} | {dnn} | {fast[w]:.1f} | {floor:.2f} | {fast[w] / fast[1]:.2f} |")
     if args.draft:
-        print(f"draft forward (1 node, streams): {result['draft_ms']} ms = {result['draft_over_step']} of a step")
+        draft = f"{result['draft_ms']} ms in {result['draft_dtype']}"
+        print(f"draft forward (1 node, streams): {draft} = {result['draft_over_step']} of a step")
 
 
 if __name__ == "__main__":

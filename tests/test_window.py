@@ -70,3 +70,23 @@ def test_a_rollout_pays_only_when_its_tokens_outweigh_its_time():
     assert not rollout_pays(0.2, flat, 0.25, 3, 4, alternative=1.0)
     assert rollout_pays(0.8, flat, 0.25, 3, 4, alternative=1.0)
     assert not rollout_pays(0.5, flat, 0.25, 3, 4, alternative=1.5)
+
+
+def test_a_window_source_calibrated_as_never_kept_is_still_tried_now_and_then():
+    """Adaptive windows cut a source whose tokens the target has never kept to nothing, and nothing is never
+    verified: without exploration its calibration could not recover (prompt lookup once proposed nothing for a whole
+    Spec-Bench run after a first prompt with no copy kept). Every EXPLORE-th cut offers one token anyway."""
+    from mirror_train.engine.rollout import Rollout
+    from mirror_train.engine.server import EXPLORE, DraftServer
+
+    server = DraftServer(None, ngram_tokens=8, adaptive_window=True)
+    server.costs = [1.0, 1.3, 1.6]
+    server.ngram.reset([5, 6, 7, 8, 5, 6, 7])  # "5 6 7" was followed by 8: a copy is on offer
+    for n in (1, 2, 3):
+        server.calibration.update([("ngram", n, False)] * 4, 0)  # copies were never kept
+        for _ in range(50):
+            server.calibration.update([("ngram", n, False)], 0)
+    nothing = Rollout([], [], 0, [], None)
+    windows = [server._offer(nothing, {}).tokens for _ in range(2 * EXPLORE + 2)]
+    assert windows[0] == [] and windows.count([8]) == 2, windows
+    assert windows[EXPLORE] == [8] and windows[2 * EXPLORE + 1] == [8]

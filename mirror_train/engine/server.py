@@ -40,7 +40,11 @@ from mirror_train.engine.rollout import Rollout
 from mirror_train.engine.window import Calibration, best_length, prob_key, rollout_pays
 from mirror_train.models.drafter_config import TARGET_SLOTS
 
-EXPLORE = 8  # a skipped serial rollout is tried anyway after this many skips in a row (`_rollout_pays`)
+# A skipped serial rollout is tried anyway after this many skips in a row (`_rollout_pays`), and a window source cut
+# to nothing this many times in a row is verified for one token anyway (`_offer`): a calibration that says "never
+# kept" would otherwise never see another verdict (measured: after a first prompt where no copy was kept, prompt
+# lookup proposed nothing for the rest of a 30-question Spec-Bench run)
+EXPLORE = 8
 # Of the target's measured suffix time, the share the branch rollout plans to fill: with all of it, 10–20% of steps
 # overran it on the 2-core testbed (the suffix and the rollout time both vary by ~10% step to step; docs/engine.md)
 DEADLINE_SHARE = 0.85
@@ -73,6 +77,7 @@ class DraftServer:
         self.costs: list[float] = []  # the target's relative verification cost by window length (from the engine)
         self.step_ms: float | None = None  # the target's one-token step (from the engine)
         self.skipped = 0  # fallback rollouts skipped in a row as not worth their time (`_fallback`)
+        self.unexplored = 0  # windows cut to nothing in a row while a source had tokens (`_offer`)
         self.window_keys: list = []  # the calibration keys of the window being verified
         self.head = head
         self.kappa = kappa
@@ -303,15 +308,20 @@ class DraftServer:
         if copy:
             options.append((copy, None, copy_keys, "ngram"))
         best = None
+        explore = self.adaptive_window and self.unexplored >= EXPLORE
         for tokens, pairs, keys, source in options:
             if self.adaptive_window:
                 length, rate = best_length(self.calibration.predict(keys), self.costs)
+                if explore and tokens:  # one token of a source with tokens (the likeliest kept), not a plain step
+                    length, rate = 1, 1e9 + self.calibration.predict(keys[:1])[0]
             else:
                 # the model's whole window; a copy where the model has none (method pld, or nothing drafted)
                 length, rate = len(tokens), (2.0 if source == "model" else 1.0) if tokens else 0.0
             if best is None or rate > best[0]:
                 best = (rate, tokens[:length], None if pairs is None else pairs[:length], keys[:length], source)
         _, self.window, self.window_pairs, self.window_keys, source = best
+        offered = any(tokens for tokens, *_ in options)
+        self.unexplored = self.unexplored + 1 if offered and not self.window else 0
         return Window(list(self.window), info | {"source": source if self.window else None})
 
     def _serial(self, tail: Rollout, n: int) -> Rollout:
