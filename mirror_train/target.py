@@ -127,8 +127,9 @@ class Target:
     def exact_windows(self) -> bool:
         """Whether a window scored at once equals its one-token steps bit for bit: row-invariant attention and
         matmuls that round each row alike whatever the row count, a property of the hardware and dtype (float32 MKL
-        GEMMs never are, by ~1e-5: no greedy flip was ever measured there). Probed on first use (~1 s in bf16
-        without AMX), not at load: only a low-precision target served by the engine asks."""
+        GEMMs never are, by ~1e-5: no greedy flip was ever measured there), or of the fast path installed (the
+        row-exact kernels always are: fastpath.py). Probed on first use (~1 s in bf16 without AMX), not at load:
+        only a low-precision target served by the engine asks."""
         return self.row_invariant and attention.gemm_row_invariant(self.model)
 
     def check_exit_layer(self, exit_layer: int) -> int:

@@ -61,7 +61,15 @@ def run(args) -> dict:
             if first is None and len(served) != len(ref):
                 first = min(len(served), len(ref))
             records.append({"id": q.id, "category": q.category, "tokens": len(ref), "first_flip": first})
-    return {"cpu": cpu_model(), "torch": torch.__version__, "fast_path": engine.fast_path, "records": records}
+            result = {"cpu": cpu_model(), "torch": torch.__version__, "fast_path": engine.fast_path, "records": records}
+            if args.out:  # after every question: a stopped run keeps what it measured
+                _write(args.out, result)
+    return result
+
+
+def _write(path: str, result: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
 
 
 def summarise(result: dict) -> str:
@@ -93,8 +101,7 @@ def main() -> None:
     else:
         result = run(args)
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+        _write(args.out, result)
     print(summarise(result))
 
 
