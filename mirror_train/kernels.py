@@ -288,17 +288,8 @@ def _library() -> ctypes.CDLL | None:
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 src, out = Path(tmp) / "kernels.c", Path(tmp) / "kernels.so"
                 src.write_text(SOURCE)
-                cmd = [
-                    compiler,
-                    "-O3",
-                    "-march=native",
-                    "-ffp-contract=off",
-                    "-shared",
-                    "-fPIC",
-                    str(src),
-                    "-o",
-                    str(out),
-                ]
+                flags = ["-O3", f"-march={_arch()}", "-ffp-contract=off", "-shared", "-fPIC"]
+                cmd = [compiler, *flags, str(src), "-o", str(out)]
                 subprocess.run(cmd, check=True, capture_output=True, timeout=120)
                 out.replace(path)  # atomic: a concurrent build or a kill leaves no half-written library
         except (OSError, subprocess.SubprocessError):
@@ -309,23 +300,8 @@ def _library() -> ctypes.CDLL | None:
         for fn in (lib.linear_F32, lib.linear_BF16):
             fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
             fn.restype = None
-        lib.attention_f32.argtypes = [
-            ptr,
-            i64,
-            i64,
-            ptr,
-            ptr,
-            i64,
-            i64,
-            ptr,
-            ptr,
-            i64,
-            i64,
-            i64,
-            i64,
-            i64,
-            ctypes.c_float,
-        ]
+        # q, q head / row strides, k, v, kv head / position strides, out, scratch, M, H, KVH, L, D, scale
+        lib.attention_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, *[i64] * 5, ctypes.c_float]
         lib.attention_f32.restype = None
     except (OSError, AttributeError):  # not loadable here, or not the library this source builds
         return None
