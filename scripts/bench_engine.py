@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--head-placement", default=d.head_placement, choices=["target", "draft"])
     ap.add_argument("--ngram-tokens", type=int, default=d.ngram_tokens, help="prompt lookup (part 2; 0: off)")
     ap.add_argument("--adaptive-window", action=argparse.BooleanOptionalAction, default=d.adaptive_window)
-    ap.add_argument("--fast-path", default=d.fast_path, choices=["auto", "onednn", "none"])
+    ap.add_argument("--fast-path", default=d.fast_path, choices=["auto", "exact", "onednn", "none"])
     ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument(
         "--target-dtype",
