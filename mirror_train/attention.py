@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from mirror_train import kernels
+
 NAME = "mirror_row_invariant_sdpa"
 KERNEL_NAME = "mirror_row_exact_kernel"
 MAX_ROWS = 64  # windows longer than this are not verification windows; they take the fused kernel
@@ -86,8 +88,6 @@ def row_exact_kernel(module, query, key, value, attention_mask, *args, **kwargs)
         or not _plain_causal_window(attention_mask, q_len, kv_len)
     ):
         return row_invariant_sdpa(module, query, key, value, attention_mask, *args, **kwargs)
-    from mirror_train import kernels
-
     scale = kwargs.get("scaling")
     scale = scale if scale is not None else getattr(module, "scaling", query.shape[-1] ** -0.5)
     return kernels.attention(query, key, value, float(scale)), None

@@ -8,6 +8,7 @@ there is a GPU, else the CPU.
 from __future__ import annotations
 
 import os
+import platform
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -17,6 +18,23 @@ import torch
 from mirror_train.errors import MirrorTrainError
 
 DEVICE_HELP = "auto (CUDA when present, else the CPU), cpu, cuda, cuda:N or mps"
+
+
+def cpuinfo(field: str) -> str | None:
+    """The first `field` line's value in /proc/cpuinfo (`model name`, `flags`), or None where there is none."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's name, as every recorded figure names it."""
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def resolve_device(spec: str | torch.device | None) -> torch.device:

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from mirror_train.devices import cpuinfo
+
 MAX_ROWS = 64  # more rows (a prompt's prefill) are a large GEMM, where torch's own path is the fast one
 
 SOURCE = r"""
@@ -157,42 +159,38 @@ void linear_##T(const float *x, int64_t ldx, const WT *w, const float *b, float 
 LINEAR(F32, float)
 LINEAR(BF16, uint16_t)
 
-/* exp(x) for x <= 0 (a softmax's shifted scores): Cephes' expf polynomial after x = n ln2 + r. */
-#if LANES > 1
-#define VSET(c) VSET1(c)
-#endif
+/* exp(x) for x <= 0 (a softmax's shifted scores): Cephes' expf polynomial after x = n ln2 + r, times 2^n. */
 #if LANES == 16
-#define VSET1(c) _mm512_set1_ps(c)
-static inline vec vexp(vec x) {
-    x = _mm512_max_ps(x, VSET(-87.0f));
-    vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, VSET(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vec r = _mm512_fnmadd_ps(n, VSET(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, VSET(-2.12194440e-4f), r);
-    vec p = VSET(1.9875691500e-4f);
-    p = VFMA(p, r, VSET(1.3981999507e-3f));
-    p = VFMA(p, r, VSET(8.3334519073e-3f));
-    p = VFMA(p, r, VSET(4.1665795894e-2f));
-    p = VFMA(p, r, VSET(1.6666665459e-1f));
-    p = VFMA(p, r, VSET(5.0000001201e-1f));
-    p = VFMA(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, VSET(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
+#define VSET(c) _mm512_set1_ps(c)
+#define VMAX(a, b) _mm512_max_ps(a, b)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VFNMADD(a, b, c) _mm512_fnmadd_ps(a, b, c)
+#define VROUND(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2(p, n) _mm512_scalef_ps(p, n)
 #elif LANES == 8
-#define VSET1(c) _mm256_set1_ps(c)
+#define VSET(c) _mm256_set1_ps(c)
+#define VMAX(a, b) _mm256_max_ps(a, b)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VFNMADD(a, b, c) _mm256_fnmadd_ps(a, b, c)
+#define VROUND(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2(p, n) /* the exponent field of 2^n built directly */ \
+    _mm256_mul_ps(p, _mm256_castsi256_ps(                           \
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)))
+#endif
+#if LANES > 1
 static inline vec vexp(vec x) {
-    x = _mm256_max_ps(x, VSET(-87.0f));
-    vec n = _mm256_round_ps(_mm256_mul_ps(x, VSET(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vec r = _mm256_fnmadd_ps(n, VSET(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, VSET(-2.12194440e-4f), r);
+    x = VMAX(x, VSET(-87.0f));
+    vec n = VROUND(VMUL(x, VSET(1.44269504f)));
+    vec r = VFNMADD(n, VSET(0.693359375f), x);
+    r = VFNMADD(n, VSET(-2.12194440e-4f), r);
     vec p = VSET(1.9875691500e-4f);
     p = VFMA(p, r, VSET(1.3981999507e-3f));
     p = VFMA(p, r, VSET(8.3334519073e-3f));
     p = VFMA(p, r, VSET(4.1665795894e-2f));
     p = VFMA(p, r, VSET(1.6666665459e-1f));
     p = VFMA(p, r, VSET(5.0000001201e-1f));
-    p = VFMA(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, VSET(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    p = VFMA(p, VMUL(r, r), VADD(r, VSET(1.0f)));
+    return VPOW2(p, n);
 }
 #else
 static inline vec vexp(vec x) { return expf(x); }
@@ -255,13 +253,7 @@ void attention_f32(const float *q, int64_t q_sh, int64_t q_sm, const float *k, c
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() + platform.machine()
+    return cpuinfo("flags") or platform.processor() + platform.machine()
 
 
 def _arch() -> str:

@@ -18,26 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 
 import torch
 
 from mirror_train import fastpath
-from mirror_train.devices import resolve_dtype
+from mirror_train.devices import cpu_model, resolve_dtype
 from mirror_train.target import Target
 from mirror_train.timing import median_ms, torch_threads
 
 WIDTHS = (1, 2, 4, 8, 16)
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def read_bandwidth_gbs(gigabytes: float = 1.0) -> float:

@@ -16,27 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 
 import torch
 
-from mirror_train.devices import pinned
+from mirror_train.devices import cpu_model, pinned
 from mirror_train.engine import EngineConfig, MirrorEngine
 from mirror_train.eval.peers import greedy_generate
 from mirror_train.eval.questions import load_questions, resolve_questions
 from mirror_train.generation import encode_chat, stop_token_ids
 from mirror_train.target import Target
 from mirror_train.testbed import resolve_model
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run(args) -> dict:
@@ -51,6 +40,7 @@ def run(args) -> dict:
     cfg = EngineConfig(fast_path=args.fast_path, target_core=args.core)
     engine = MirrorEngine(target, None, None, cfg)
     records = []
+    result = {"cpu": cpu_model(), "torch": torch.__version__, "fast_path": engine.fast_path, "records": records}
     with torch.inference_mode():
         for q in questions:
             ids = encode_chat(target.tokenizer, q.messages())
@@ -61,7 +51,6 @@ def run(args) -> dict:
             if first is None and len(served) != len(ref):
                 first = min(len(served), len(ref))
             records.append({"id": q.id, "category": q.category, "tokens": len(ref), "first_flip": first})
-            result = {"cpu": cpu_model(), "torch": torch.__version__, "fast_path": engine.fast_path, "records": records}
             if args.out:  # after every question: a stopped run keeps what it measured
                 _write(args.out, result)
     return result
