@@ -11,7 +11,7 @@ from mirror_train.engine.window import (
     expected_committed,
     fit_costs,
     prob_key,
-    rollout_pays,
+    rollout_plan,
 )
 
 
@@ -63,13 +63,17 @@ def test_fit_costs_is_relative_to_a_one_token_step():
     assert fit_costs([(0, 60.0), (0, 61.0)], 4) is None and fit_costs([(1, 60.0), (2, 61.0)], 4) is None
 
 
-def test_a_rollout_pays_only_when_its_tokens_outweigh_its_time():
-    """A serial rollout costs the target its passes' time: at acceptance 0.2 and a pass of 0.25 steps no window
-    pays against a plain step; at 0.8 one does; against a copied window promising 1.5 a step, 0.5 does not."""
+def test_a_rollout_is_planned_in_whole_passes_and_only_when_its_tokens_outweigh_its_time():
+    """A serial rollout costs the target its passes' time (a pass: 0.25 of a step, 3 tokens with two streams): at
+    acceptance 0.2 no window beats a plain step's 1.0; at 0.8 three tokens in one pass beat four in two; a branch
+    rolled out to 2 tokens is drafted on (one pass, to 4) at 0.8 and offered as it is at 0.5."""
     flat = [1.0, 1.05, 1.1, 1.15, 1.2]
-    assert not rollout_pays(0.2, flat, 0.25, 3, 4, alternative=1.0)
-    assert rollout_pays(0.8, flat, 0.25, 3, 4, alternative=1.0)
-    assert not rollout_pays(0.5, flat, 0.25, 3, 4, alternative=1.5)
+    assert rollout_plan(0.2, flat, 0.25, 3, 4)[1] < 1.0
+    assert rollout_plan(0.8, flat, 0.25, 3, 4) == (3, pytest.approx((1 + 0.8 + 0.64 + 0.512) / 1.4))
+    assert rollout_plan(0.95, flat, 0.25, 3, 4)[0] == 4
+    assert rollout_plan(0.8, flat, 0.25, 3, 4, drafted=2)[0] == 4
+    assert rollout_plan(0.5, flat, 0.25, 3, 4, drafted=2) == (2, pytest.approx(1.75 / 1.1))
+    assert rollout_plan(0.5, flat, 0.25, 1, 4)[0] in (1, 2)  # one token a pass: never rounded past w
 
 
 def test_a_window_source_calibrated_as_never_kept_is_still_tried_now_and_then():

@@ -37,10 +37,10 @@ from mirror_train.engine.messages import Branches, Ping, Pong, Start, Verdict, W
 from mirror_train.engine.ngram import NgramIndex
 from mirror_train.engine.node_states import StateTable, as_states, complete, join
 from mirror_train.engine.rollout import Rollout
-from mirror_train.engine.window import Calibration, best_length, prob_key, rollout_pays
+from mirror_train.engine.window import Calibration, best_length, prob_key, rollout_plan
 from mirror_train.models.drafter_config import TARGET_SLOTS
 
-# A skipped serial rollout is tried anyway after this many skips in a row (`_rollout_pays`), and a window source cut
+# A skipped serial rollout is tried anyway after this many skips in a row (`_serial_plan`), and a window source cut
 # to nothing this many times in a row is verified for one token anyway (`_offer`): a calibration that says "never
 # kept" would otherwise never see another verdict (measured: after a first prompt where no copy was kept, prompt
 # lookup proposed nothing for the rest of a 30-question Spec-Bench run)
@@ -227,9 +227,12 @@ class DraftServer:
             # the pending tokens, and the accepted window unless it must be fed again as committed tokens
             keep = self.rolled_spine + (0 if self.refeed else accepted)
             self.rolled, self.rolled_spine, self.num_branches = {}, 0, 0
-            if hit is not None and len(hit.tokens) < self.gamma and self._rollout_pays():  # worth completing
+            upto = 0
+            if hit is not None and len(hit.tokens) < self.gamma:
+                upto = self._serial_plan(len(hit.tokens))
+            if hit is not None and upto > len(hit.tokens):  # a branch rolled out short of γ, worth drafting on
                 self._keep(keep)
-                reply, _ = self._extend(hit, info)
+                reply, _ = self._extend(hit, upto, info)
                 return reply, self._then_look_ahead(len(self.tokens) - self.cached - 1, msg.prefix_ms)
             if hit is not None:
                 reply = self._offer(hit, info | {"reused": True, "fallback_ms": 0.0})
@@ -252,42 +255,46 @@ class DraftServer:
         committed = len(self.tokens) - self.cached
         start = time.perf_counter()
         nothing = Rollout([], [], 0, [], None)
-        drafted = self._serial(nothing, self.gamma) if self._rollout_pays() else nothing
+        n = self._serial_plan(0)
+        drafted = self._serial(nothing, n) if n else nothing
         info = info | {"fallback_ms": (time.perf_counter() - start) * 1000, "forwards": drafted.num_forwards}
         return self._offer(drafted, info), lambda: self._keep(committed - 1)
 
-    def _extend(self, partial: Rollout, info: dict):
-        """Reuse a branch rolled out short of γ and draft the rest serially: γ − depth passes, not a fallback's γ."""
+    def _extend(self, partial: Rollout, upto: int, info: dict):
+        """Reuse a branch rolled out short of γ and draft on serially to `upto` tokens: fewer passes than a
+        fallback's."""
         committed = len(self.tokens) - self.cached
         start = time.perf_counter()
-        rest = self._serial(partial, self.gamma - len(partial.tokens))
-        whole = _joined(partial, 0, rest, self.gamma)
+        rest = self._serial(partial, upto - len(partial.tokens))
+        whole = _joined(partial, 0, rest, upto)
         ms = (time.perf_counter() - start) * 1000
         info = info | {"reused": True, "fallback_ms": ms, "forwards": rest.num_forwards}
         return self._offer(whole, info), lambda: self._keep(committed - 1)
 
-    def _rollout_pays(self) -> bool:
-        """Whether a serial rollout (the target waits for it) promises more committed tokens per unit of time than
-        what costs nothing: a copied window, or a plain step (window.rollout_pays, at the model's mean acceptance so
-        far). Every `EXPLORE`-th skip rolls out anyway, so that the model's acceptance keeps being measured."""
+    def _serial_plan(self, drafted: int) -> int:
+        """How many tokens to have drafted before the target waits no longer (0: roll out nothing), `drafted` of them
+        already there: `window.rollout_plan` at the model's mean acceptance so far, against what costs nothing (a
+        copied window, or a plain step). Every `EXPLORE`-th skip rolls out a whole window anyway, so that the model's
+        acceptance keeps being measured."""
         line = rollout_line(self.samples)
         if self.backend is None:
-            return False
+            return 0
         if not self.adaptive_window or line is None or not self.step_ms or not self.costs:
-            return True
+            return self.gamma
         if self.skipped >= EXPLORE:
             self.skipped = 0
-            return True
+            return self.gamma
         streams = getattr(self.backend, "num_streams", 0)
         passes = -(-self.gamma // (1 + streams))
         pass_cost = (line[0] + line[1]) / passes / self.step_ms  # one branch's pass, in target steps
         accept = self.calibration.overall(lambda k: k[0] == "model")
         alternative = max(1.0, self._copy()[1])
-        if rollout_pays(accept, self.costs, pass_cost, 1 + streams, self.gamma, alternative):
+        n, rate = rollout_plan(accept, self.costs, pass_cost, 1 + streams, self.gamma, drafted)
+        if rate > alternative:
             self.skipped = 0
-            return True
+            return n
         self.skipped += 1
-        return False
+        return 0
 
     def _copy(self, first: int | None = None) -> tuple[tuple, float]:
         """The copied window (tokens, keys) on offer and its rate E(w)/c(w) at its best length (0.0: none)."""
