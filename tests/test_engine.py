@@ -374,6 +374,30 @@ def test_a_feature_conditioned_draft_in_a_worker_process_is_lossless(target, con
     assert_no_worker()
 
 
+@pytest.mark.parametrize("placement", ["local", "process"])
+def test_states_that_cross_as_tensors_are_what_cuda_to_cuda_serving_sends(target, prompts, references, placement):
+    """Between CUDA devices the target's states cross as tensors (torch shares them by CUDA IPC handles through the
+    worker's pipe), never as host numpy. That path, forced on the CPU (a pipe then shares tensors through shared
+    memory): every method stays lossless, the draft side keeps the states as tensors on its device, and what they
+    fed is the true paired states."""
+    draft = slotted_draft(target, ["exit", "final", "own"])
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement=placement, draft_dtype="float32", **ANY_CORE)
+    with MirrorEngine(target, proxy_head(target, "mlp"), draft, cfg) as engine:
+        assert not engine._device_wire  # a CPU target: numpy crosses
+        engine._device_wire = True
+        wired = engine._wire({"exit": torch.ones(2, target.hidden_size)})
+        assert isinstance(wired["exit"], torch.Tensor) and not wired["exit"].is_inference()
+        for prompt, ref in zip(prompts, references):
+            for method in ("sd", "mirror"):
+                assert engine.generate(prompt, MAX_NEW, method=method, stop=[]).tokens == ref, (method, prompt)
+            if placement == "local":
+                server = engine.draft.server
+                expected = paired_cache(draft, target, server.tokens[: server.cached + 1])
+                for got, want in zip(server.backend.cache.layers, expected.layers):
+                    torch.testing.assert_close(got.keys[:, :, : server.cached], want.keys, atol=1e-4, rtol=1e-4)
+    assert_no_worker()
+
+
 def test_a_feature_conditioned_draft_must_read_the_heads_exit_layer(target, conditioned_draft):
     cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", exit_layer=1)
     with pytest.raises(MirrorTrainError, match="layer-2 states .* ℓe=1"):

@@ -91,6 +91,13 @@ class MirrorEngine:
         self.spec, self.draft_slots = (
             (None, []) if draft is None else draft_spec(target, cfg, draft, self.head, self._tmp.name)
         )
+        # Where both sides are CUDA devices of this machine, the states cross as CUDA tensors (`_wire`)
+        self._device_wire = (
+            self.spec is not None
+            and cfg.placement != "gloo"
+            and target.device.type == "cuda"
+            and self.spec["device"].startswith("cuda")
+        )
         self.draft = None  # the channel, once started
         self.channel_ms = 0.0
         self._suffix_ms: float | None = None
@@ -271,7 +278,7 @@ class MirrorEngine:
         if seq.channel is not None:
             self._receive(seq)  # its window after the prompt: the prefill has decided that token
             if not seq.done:
-                first_states = _wire({slot: states[slot][-1:] for slot in slots})
+                first_states = self._wire({slot: states[slot][-1:] for slot in slots})
                 verdict = Verdict(0, first, first_states, None, *self._cost_fields())
                 self._send(seq, verdict)
                 reply = self._receive(seq)
@@ -296,7 +303,7 @@ class MirrorEngine:
             if cfg.head_placement == "target":
                 candidates = Candidates(*head.window_candidates(state.hidden[0], window, cfg.kappa, seq.head_cache))
             t2 = self._now()
-            asked = self._send(seq, Branches(self._suffix_ms, candidates, _wire(exit_states)))
+            asked = self._send(seq, Branches(self._suffix_ms, candidates, self._wire(exit_states)))
             t3 = self._now()
         logits, final = target.suffix_states(state)  # (1, γ+1, V), (1, γ+1, H)
         t4 = self._now()
@@ -316,7 +323,7 @@ class MirrorEngine:
             # the committed positions' states the draft reads and has not had: ℓe ones unless a Branches brought
             # them, final ones always
             sent = {slot: committed[slot][: accepted + 1] for slot in slots if slot == "final" or not asked}
-            verdict = Verdict(accepted, correction, _wire(sent), self._prefix_ms, *self._cost_fields())
+            verdict = Verdict(accepted, correction, self._wire(sent), self._prefix_ms, *self._cost_fields())
             if self._send(seq, verdict):
                 reply = self._receive(seq)
                 if reply is not None:
@@ -355,9 +362,21 @@ class MirrorEngine:
         return chunk, stats
 
     # --- the channel, faults, costs -------------------------------------------------------------------------------
+    def _wire(self, states: dict[str, torch.Tensor] | None):
+        """Target states as they cross the channel. Between CUDA devices of one machine: CUDA tensors (a pipe to a
+        worker shares them by CUDA IPC handles, which torch's multiprocessing registers), so they never round-trip
+        through host memory; each is a copy the message owns. Else float32 numpy (a few KB a step; the prompt's
+        once), which pickles compactly over a pipe or gloo."""
+        if not states:
+            return None
+        if self._device_wire:
+            with torch.inference_mode(False):  # a plain tensor (the prompt's states leave mid-prefill)
+                return {slot: x.detach().float().clone() for slot, x in states.items()}
+        return _wire_numpy(states)
+
     def _start_message(self, seq: _Sequence, states) -> Start:
         look_ahead = seq.method == "mirror" and self.config.look_ahead
-        return Start(seq.ids, self.config.gamma, seq.reference, _wire(states), look_ahead, *self._cost_fields())
+        return Start(seq.ids, self.config.gamma, seq.reference, self._wire(states), look_ahead, *self._cost_fields())
 
     def _send(self, seq: _Sequence, msg) -> bool:
         """Send to the sequence's draft; a draft that is gone is a fault (generation goes on without it)."""
@@ -450,6 +469,6 @@ def _ema(mean: float | None, x: float) -> float:
     return x if mean is None else 0.8 * mean + 0.2 * x
 
 
-def _wire(states: dict[str, torch.Tensor] | None):
+def _wire_numpy(states: dict[str, torch.Tensor] | None):
     """Target states as they cross the channel: slot → float32 numpy (a few KB a step; the prompt's once)."""
     return {slot: x.float().cpu().numpy() for slot, x in states.items()} if states else None

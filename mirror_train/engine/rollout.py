@@ -27,8 +27,8 @@ class Rollout(NamedTuple):
     logprobs: list[float]  # log q of each token under the draft distribution it was chosen from
     num_forwards: int  # batched forwards the rollout took
     nodes: list[int]  # uncommitted cache slots of this branch: its root tokens, then the rollout tokens fed back
-    pairs: torch.Tensor | None = None  # (γ, H) float32: the draft state that predicted each token (what the token
-    # reads in the own slot when it is fed); None for a draft without an own slot
+    pairs: torch.Tensor | None = None  # (γ, H) float32 on the draft's device: the draft state that predicted each
+    # token (what the token reads in the own slot when it is fed); None for a draft without an own slot
 
 
 @torch.no_grad()
@@ -164,9 +164,7 @@ def rollout_nodes(
             drafted[b] += chosen[b]
             logprobs[b] += logp[b].tolist()
             if own:
-                pairs[b] += list(
-                    states[b].float().cpu()
-                )  # the server keeps them beside the target's states, on the CPU
+                pairs[b] += list(states[b].float())  # the server keeps them beside the target's states
             if len(drafted[b]) < gamma:  # feed them for the next pass, chained after the branch's last node
                 for token in chosen[b]:
                     parents.append(chain[-1])

@@ -69,7 +69,7 @@ class DraftServer:
         device: str | torch.device = "cpu",
     ):
         self.backend = backend
-        self.device = torch.device(device)  # the draft's and a head's here: the target's states arrive on the CPU
+        self.device = torch.device(device)  # the draft's and a head's here, and the target's states it keeps
         self.ngram = NgramIndex() if ngram_tokens else None
         self.ngram_tokens = ngram_tokens
         self.adaptive_window = adaptive_window
@@ -102,7 +102,7 @@ class DraftServer:
         self.target_slots = [s for s in self.widths if s in TARGET_SLOTS]
         self.own = "own" in self.widths
         self.refeed = self.own or "final" in self.widths  # module docstring
-        self.states = {slot: StateTable() for slot in self.target_slots}  # of tokens[:-1]
+        self.states = {slot: StateTable(self.device) for slot in self.target_slots}  # of tokens[:-1]
         self.window_states: torch.Tensor | None = None  # this step's ℓe states: the newest committed token, window
         self.look_ahead = False  # Mirror-SD: draft on past the window while the target runs its prefix
         self.ahead: Rollout | None = None  # the draft's own continuation past the window (look-ahead), this step
@@ -133,7 +133,7 @@ class DraftServer:
             self.ngram.reset(msg.prompt)
         self.look_ahead, self.ahead = bool(msg.look_ahead), None
         self.tokens = list(msg.prompt)
-        self.states = {slot: StateTable() for slot in self.target_slots}
+        self.states = {slot: StateTable(self.device) for slot in self.target_slots}
         self.window_states = None
         self._append_states(msg.states, len(self.tokens) - 1, "the prompt")
         if self.backend is not None:
@@ -152,7 +152,7 @@ class DraftServer:
         deadline = None if msg.deadline_ms is None else msg.deadline_ms * DEADLINE_SHARE
         exit_states = None
         if "exit" in self.target_slots or msg.candidates is None:  # the draft or the head here reads them
-            exit_states = as_states((msg.states or {}).get("exit"), 1 + len(self.window), "the window")
+            exit_states = as_states((msg.states or {}).get("exit"), 1 + len(self.window), "the window", self.device)
         candidates = msg.candidates
         if candidates is None:  # the proxy head runs here, on the window's ℓe states
             ids, logp, window_logp = self.head.window_candidates(
@@ -397,27 +397,22 @@ class DraftServer:
     # --- what the fed nodes read (module docstring) ----------------------------------------------------------
     def _append_states(self, states, rows: int, what: str) -> None:
         for slot in self.target_slots:
-            self.states[slot].append(as_states((states or {}).get(slot), rows, what))
+            self.states[slot].append(as_states((states or {}).get(slot), rows, what, self.device))
 
     def _committed(self, first: int, n: int) -> dict[str, torch.Tensor] | None:
         """What committed tokens first..first+n-1 read: the target's states of the tokens before them."""
         if not self.conditioned:
             return None
-        out = {}
-        for slot in self.target_slots:
-            table = self.states[slot]
-            rows = [table.row(i) if i >= 0 else torch.zeros(self.widths[slot]) for i in range(first - 1, first + n - 1)]
-            out[slot] = torch.stack(rows) if rows else torch.zeros(0, self.widths[slot])
-        return out
+        return {slot: self.states[slot].rows(first - 1, n, self.widths[slot]) for slot in self.target_slots}
 
     def _drafted(self, n: int, pairs: torch.Tensor | None, exit_rows: torch.Tensor | None = None) -> dict:
         """What n drafted tokens read: own = the states that predicted them (`pairs`), exit = `exit_rows`."""
         block = {}
         if self.own:
-            block["own"] = pairs[:n] if pairs is not None else torch.zeros(n, self.widths["own"])
+            block["own"] = pairs[:n] if pairs is not None else torch.zeros(n, self.widths["own"], device=self.device)
         if exit_rows is not None and "exit" in self.widths:
             block["exit"] = exit_rows[:n]
-        return complete(block, n, self.widths)
+        return complete(block, n, self.widths, self.device)
 
     def _window_nodes(self, exit_known: bool) -> dict:
         """The window's tokens d_1..d_γ: own pairs, and d_{i-1}'s ℓe state once the target has run its prefix."""
@@ -429,7 +424,7 @@ class DraftServer:
         their own pairs."""
         exit_rows = None
         if self.window_states is not None:
-            exit_rows = torch.zeros(len(self.ahead.tokens), self.window_states.shape[1])
+            exit_rows = torch.zeros(len(self.ahead.tokens), self.window_states.shape[1], device=self.device)
             exit_rows[0] = self.window_states[len(self.window)]
         return self._drafted(len(self.ahead.tokens), self.ahead.pairs, exit_rows)
 
