@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mirror_train.engine.ngram import NgramIndex
 from mirror_train.engine.window import (
@@ -94,3 +95,18 @@ def test_a_window_source_calibrated_as_never_kept_is_still_tried_now_and_then():
     windows = [server._offer(nothing, {}).tokens for _ in range(2 * EXPLORE + 2)]
     assert windows[0] == [] and windows.count([8]) == 2, windows
     assert windows[EXPLORE] == [8] and windows[2 * EXPLORE + 1] == [8]
+
+
+def test_the_state_table_grows_and_reads_rows_with_zeros_before_its_start():
+    """What committed tokens read: row i-1 of the table for token i, zeros for the prompt's first token (index -1)."""
+    from mirror_train.engine.node_states import StateTable
+
+    table = StateTable()
+    for block in (torch.arange(6.0).view(3, 2), torch.arange(6.0, 200.0).view(97, 2)):  # past the first capacity
+        table.append(block)
+    everything = torch.arange(200.0).view(100, 2)
+    assert len(table) == 100
+    torch.testing.assert_close(table.rows(0, 100, 2), everything)
+    torch.testing.assert_close(table.rows(-1, 3, 2), torch.cat([torch.zeros(1, 2), everything[:2]]))
+    torch.testing.assert_close(table.rows(97, 3, 2), everything[97:])
+    assert table.rows(5, 0, 2).shape == (0, 2) and StateTable().rows(-1, 1, 2).shape == (1, 2)
