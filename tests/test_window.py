@@ -13,6 +13,7 @@ from mirror_train.engine.window import (
     fit_costs,
     prob_key,
     rollout_plan,
+    serial_overhead,
 )
 
 
@@ -75,6 +76,17 @@ def test_a_rollout_is_planned_in_whole_passes_and_only_when_its_tokens_outweigh_
     assert rollout_plan(0.8, flat, 0.25, 3, 4, drafted=2)[0] == 4
     assert rollout_plan(0.5, flat, 0.25, 3, 4, drafted=2) == (2, pytest.approx(1.75 / 1.1))
     assert rollout_plan(0.5, flat, 0.25, 1, 4)[0] in (1, 2)  # one token a pass: never rounded past w
+
+
+def test_a_serial_rollouts_measured_overhead_can_make_it_not_pay():
+    """A fallback that also feeds the committed tokens measured 12 ms for one 7 ms pass: 5 ms more per rollout
+    (never negative), and at acceptance 0.3 that overhead turns a paying one-pass rollout into one that does not."""
+    assert serial_overhead([], 7.0) == 0.0
+    assert serial_overhead([(1, 12.0), (2, 19.0)], 7.0) == pytest.approx(5.0)
+    assert serial_overhead([(1, 3.0)], 7.0) == 0.0
+    flat = [1.0, 1.05, 1.1, 1.15, 1.2]
+    assert rollout_plan(0.3, flat, 0.15, 3, 4)[1] > 1.0
+    assert rollout_plan(0.3, flat, 0.15, 3, 4, fixed_cost=0.3)[1] < 1.0
 
 
 def test_a_window_source_calibrated_as_never_kept_is_still_tried_now_and_then():

@@ -37,7 +37,7 @@ from mirror_train.engine.messages import Branches, Ping, Pong, Start, Verdict, W
 from mirror_train.engine.ngram import NgramIndex
 from mirror_train.engine.node_states import StateTable, as_states, complete, join
 from mirror_train.engine.rollout import Rollout
-from mirror_train.engine.window import Calibration, best_length, prob_key, rollout_plan
+from mirror_train.engine.window import Calibration, best_length, prob_key, rollout_plan, serial_overhead
 from mirror_train.models.drafter_config import TARGET_SLOTS
 
 # A skipped serial rollout is tried anyway after this many skips in a row (`_serial_plan`), and a window source cut
@@ -89,6 +89,10 @@ class DraftServer:
         self.branch_budget = branch_budget
         self.adaptive_budget = adaptive_budget
         self.samples: deque[tuple[int, float]] = deque(maxlen=64)  # (branches, ms) of recent branch rollouts
+        # (passes, ms) of recent serial rollouts (fallbacks, extensions): they also feed the committed tokens, so a
+        # branch rollout's pass time alone underprices them (measured: 12 ms a one-pass fallback where the tree's
+        # line said ~7; `_serial_plan`)
+        self.serial_samples: deque[tuple[int, float]] = deque(maxlen=32)
         self.gamma = 0
         self.tokens: list[int] = []
         self.cached = 0
@@ -257,7 +261,10 @@ class DraftServer:
         nothing = Rollout([], [], 0, [], None)
         n = self._serial_plan(0)
         drafted = self._serial(nothing, n) if n else nothing
-        info = info | {"fallback_ms": (time.perf_counter() - start) * 1000, "forwards": drafted.num_forwards}
+        ms = (time.perf_counter() - start) * 1000
+        if drafted.num_forwards:
+            self.serial_samples.append((drafted.num_forwards, ms))
+        info = info | {"fallback_ms": ms, "forwards": drafted.num_forwards}
         return self._offer(drafted, info), lambda: self._keep(committed - 1)
 
     def _extend(self, partial: Rollout, upto: int, info: dict):
@@ -268,6 +275,8 @@ class DraftServer:
         rest = self._serial(partial, upto - len(partial.tokens))
         whole = _joined(partial, 0, rest, upto)
         ms = (time.perf_counter() - start) * 1000
+        if rest.num_forwards:
+            self.serial_samples.append((rest.num_forwards, ms))
         info = info | {"reused": True, "fallback_ms": ms, "forwards": rest.num_forwards}
         return self._offer(whole, info), lambda: self._keep(committed - 1)
 
@@ -286,10 +295,14 @@ class DraftServer:
             return self.gamma
         streams = getattr(self.backend, "num_streams", 0)
         passes = -(-self.gamma // (1 + streams))
-        pass_cost = (line[0] + line[1]) / passes / self.step_ms  # one branch's pass, in target steps
+        pass_ms = (line[0] + line[1]) / passes  # one branch's pass
+        # what a serial rollout measured beyond its passes at that price (feeding the committed tokens, the reply)
+        overhead_ms = serial_overhead(self.serial_samples, pass_ms)
         accept = self.calibration.overall(lambda k: k[0] == "model")
         alternative = max(1.0, self._copy()[1])
-        n, rate = rollout_plan(accept, self.costs, pass_cost, 1 + streams, self.gamma, drafted)
+        n, rate = rollout_plan(
+            accept, self.costs, pass_ms / self.step_ms, 1 + streams, self.gamma, drafted, overhead_ms / self.step_ms
+        )
         if rate > alternative:
             self.skipped = 0
             return n

@@ -117,21 +117,36 @@ def fit_costs(samples: Sequence[tuple[int, float]], widths: int) -> tuple[list[f
 
 
 def rollout_plan(
-    accept: float, costs: Sequence[float], pass_cost: float, tokens_per_pass: int, gamma: int, drafted: int = 0
+    accept: float,
+    costs: Sequence[float],
+    pass_cost: float,
+    tokens_per_pass: int,
+    gamma: int,
+    drafted: int = 0,
+    fixed_cost: float = 0.0,
 ) -> tuple[int, float]:
     """How many tokens to draft before the target can verify them (serial SD, a Mirror-SD fallback or the completion
     of a short branch), and the rate that promises: the best E(w) / (c(w) + passes(w) · pass_cost) over
     w = max(drafted, 1)..γ at the model's mean per-token acceptance `accept`, where `drafted` tokens are already
     there and each pass yields `tokens_per_pass` more (a Speculative-Streaming draft: 1 + its streams). The count
     returned is w rounded up to whole passes (capped at γ): a pass's extra tokens cost nothing more, and the window
-    is cut to what pays afterwards. pass_cost: one pass in units of a one-token target step.
+    is cut to what pays afterwards. pass_cost: one pass in units of a one-token target step; fixed_cost: what a
+    serial rollout costs the target besides its passes (feeding the committed tokens, the reply), same units.
 
     Not always γ: at γ = 4 with two streams a whole window takes two passes, and where the fourth token is unlikely
     kept the second pass costs more time than it brings."""
     best = (max(drafted, 1), 0.0)
     for w in range(max(drafted, 1), gamma + 1):
         passes = -(-(w - drafted) // tokens_per_pass)
-        rate = expected_committed([accept] * w)[-1] / (_cost(costs, w) + passes * pass_cost)
+        rate = expected_committed([accept] * w)[-1] / (_cost(costs, w) + fixed_cost + passes * pass_cost)
         if rate > best[1] + 1e-9:
             best = (min(gamma, drafted + passes * tokens_per_pass), rate)
     return best
+
+
+def serial_overhead(samples: Sequence[tuple[int, float]], pass_ms: float) -> float:
+    """What serial rollouts cost beyond `pass_ms` a pass, in ms: the mean over measured (passes, ms) samples of
+    ms − passes · pass_ms, never below 0 (0 with no samples yet)."""
+    if not samples:
+        return 0.0
+    return max(0.0, sum(ms - n * pass_ms for n, ms in samples) / len(samples))
