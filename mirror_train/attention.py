@@ -8,7 +8,8 @@ the residual stream and it reached 0.6 in a logit, enough to change the greedy t
 (tests/test_target.py checks the bf16 window bit for bit). So for a window over a cache, this
 attention runs each query row as its own one-row SDPA call over exactly the keys that row may see: bit for bit the
 call plain decoding makes. Everything else (prefill, padded batches, trees, no cache) goes to transformers' SDPA
-unchanged. The cost is k small attention calls instead of one (measured in docs/engine.md).
+unchanged. The cost is k small attention calls instead of one (measured in docs/engine.md). A forked window
+(forked_window.py: two chains verified at once) runs each row over its own chain's keys, gathered in order.
 
 With the fast path's exact kernels (fastpath.py, float32 on a CPU) the model switches to `KERNEL_NAME`: every
 plain causal window over a cache, one-token steps included, runs kernels.attention, one call a layer for all its
@@ -27,6 +28,18 @@ MAX_ROWS = 64  # windows longer than this are not verification windows; they tak
 
 
 _checked: list = [None, None]  # the last mask checked and its answer: one mask object serves every layer of a step
+_forked: list = [None, None]  # the mask of the forked window being run (forked_window.py) and its key runs
+
+
+def forked(mask: torch.Tensor, runs: torch.Tensor) -> torch.Tensor:
+    """Mark `mask` as a forked window's (its rows' key runs `runs`, ForkedWindow.runs): the attention below then
+    computes each row over exactly those keys, in their order, as its chain's one-token step would."""
+    _forked[0], _forked[1] = mask, runs
+    return mask
+
+
+def _runs(mask) -> torch.Tensor | None:
+    return _forked[1] if mask is not None and _forked[0] is mask else None
 
 
 def _plain_causal_window(mask: torch.Tensor | None, q_len: int, kv_len: int) -> bool:
@@ -53,6 +66,9 @@ def row_invariant_sdpa(module, query, key, value, attention_mask, *args, **kwarg
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     q_len, kv_len = query.shape[2], key.shape[2]
+    runs = _runs(attention_mask)
+    if runs is not None and query.shape[0] == 1 and kwargs.get("position_bias") is None:
+        return _forked_rows(module, query, key, value, runs, *args, **kwargs), None
     if (
         query.shape[0] != 1
         or not 1 < q_len <= MAX_ROWS
@@ -71,10 +87,26 @@ def row_invariant_sdpa(module, query, key, value, attention_mask, *args, **kwarg
     return torch.cat(rows, dim=1), None
 
 
+def _forked_rows(module, query, key, value, runs, *args, **kwargs):
+    """A forked window's rows, each a one-row SDPA call over its keys gathered in order (a copy per row: the slow,
+    general path; the kernel reads them in place)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rows = []
+    for i in range(query.shape[2]):
+        first, start, count = (int(x) for x in runs[:, i])
+        index = torch.cat([torch.arange(first), torch.arange(start, start + count)]).to(key.device)
+        keys, values = key.index_select(2, index), value.index_select(2, index)
+        out, _ = sdpa_attention_forward(module, query[:, :, i : i + 1], keys, values, None, *args, **kwargs)
+        rows.append(out)
+    return torch.cat(rows, dim=1)
+
+
 def row_exact_kernel(module, query, key, value, attention_mask, *args, **kwargs):
     """kernels.attention for a plain causal window (1..MAX_ROWS rows) over a cache in float32 on a CPU; anything
-    else as `row_invariant_sdpa`."""
+    else as `row_invariant_sdpa`. A forked window's rows (`forked`) too, each over its own keys."""
     q_len, kv_len = query.shape[2], key.shape[2]
+    runs = _runs(attention_mask)
     if (
         query.shape[0] != 1
         or not 1 <= q_len <= MAX_ROWS
@@ -85,12 +117,12 @@ def row_exact_kernel(module, query, key, value, attention_mask, *args, **kwargs)
         or query.shape[1] % key.shape[1]
         or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "sliding_window", "s_aux"))
         or kwargs.get("dropout", 0.0)
-        or not _plain_causal_window(attention_mask, q_len, kv_len)
+        or (runs is None and not _plain_causal_window(attention_mask, q_len, kv_len))
     ):
         return row_invariant_sdpa(module, query, key, value, attention_mask, *args, **kwargs)
     scale = kwargs.get("scaling")
     scale = scale if scale is not None else getattr(module, "scaling", query.shape[-1] ** -0.5)
-    return kernels.attention(query, key, value, float(scale)), None
+    return kernels.attention(query, key, value, float(scale), runs), None
 
 
 def use_kernel(model, on: bool) -> bool:

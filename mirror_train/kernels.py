@@ -208,19 +208,24 @@ static inline float dot(const float *a, const float *b, int64_t D) {
 /* Causal attention of M query rows at the end of a cache of L positions (row i sees keys 0..L-M+i), grouped-query
    heads: q (H heads x M rows x D, strides q_sh, q_sm), k / v (KVH heads x L x D, strides kv_sh, kv_sl),
    out (M x H x D, contiguous), scratch: L floats. Every (head, row) is a function of its query and the keys it
-   sees alone: the same arithmetic in the same order whatever M. */
+   sees alone: the same arithmetic in the same order whatever M.
+   A forked window (two chains verified at once, kernels.attention's `rows`): row i sees keys 0..n1[i]-1 and then
+   s2[i]..s2[i]+n2[i]-1, in that order; its scores fill the scratch from index 0 exactly as the contiguous keys of
+   the same path would in one-token decoding, so the row is bit for bit that decoding step. n1 NULL: causal. */
 void attention_f32(const float *q, int64_t q_sh, int64_t q_sm, const float *k, const float *v, int64_t kv_sh,
                    int64_t kv_sl, float *out, float *s, int64_t M, int64_t H, int64_t KVH, int64_t L, int64_t D,
-                   float scale) {
+                   float scale, const int64_t *n1, const int64_t *s2, const int64_t *n2) {
     int64_t group = H / KVH;
     for (int64_t h = 0; h < H; h++) {
         const float *kh = k + (h / group) * kv_sh, *vh = v + (h / group) * kv_sh;
         for (int64_t i = 0; i < M; i++) {
             const float *qi = q + h * q_sh + i * q_sm;
-            int64_t seen = L - M + i + 1;
+            int64_t first = n1 ? n1[i] : L - M + i + 1;  /* keys 0..first-1, then the second run */
+            int64_t seen = n1 ? first + n2[i] : first;
+            int64_t jump = n1 ? s2[i] - first : 0;       /* key index = l for l < first, l + jump after */
             float mx = -INFINITY;
             for (int64_t l = 0; l < seen; l++) {
-                s[l] = dot(qi, kh + l * kv_sl, D) * scale;
+                s[l] = dot(qi, kh + (l < first ? l : l + jump) * kv_sl, D) * scale;
                 mx = s[l] > mx ? s[l] : mx;
             }
             vec vmx = VSET(mx), vtot = VZERO();
@@ -239,7 +244,7 @@ void attention_f32(const float *q, int64_t q_sh, int64_t q_sm, const float *k, c
             for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
             for (int64_t l2 = 0; l2 < seen; l2++) {
                 vec p = VSET(s[l2]);
-                const float *vl = vh + l2 * kv_sl;
+                const float *vl = vh + (l2 < first ? l2 : l2 + jump) * kv_sl;
                 int64_t d = 0;
                 for (; d + LANES <= D; d += LANES) VSTORE(o + d, VFMA(p, VLOAD(vl + d), VLOAD(o + d)));
                 for (; d < D; d++) o[d] = fmaf(s[l2], vl[d], o[d]);
@@ -292,8 +297,10 @@ def _library() -> ctypes.CDLL | None:
         for fn in (lib.linear_F32, lib.linear_BF16):
             fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
             fn.restype = None
-        # q, q head / row strides, k, v, kv head / position strides, out, scratch, M, H, KVH, L, D, scale
+        # q, q head / row strides, k, v, kv head / position strides, out, scratch, M, H, KVH, L, D, scale,
+        # and a forked window's per-row key runs n1, s2, n2 (NULL: causal)
         lib.attention_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, *[i64] * 5, ctypes.c_float]
+        lib.attention_f32.argtypes += [ptr] * 3
         lib.attention_f32.restype = None
     except (OSError, AttributeError):  # not loadable here, or not the library this source builds
         return None
@@ -326,18 +333,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+def attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, rows: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal attention of a window of M query rows at the end of a cache: query (1, H, M, D), key and value
     (1, KVH, L, D) holding the cache and the window (L ≥ M; row i sees keys 0..L−M+i; H a multiple of KVH); float32
     CPU tensors, the last dimension contiguous. Returns (1, M, H, D), the layout transformers' attention functions
-    return. Call only where `available()`."""
-    _, heads, rows, dim = query.shape
+    return. Call only where `available()`.
+
+    rows: a forked window's keys instead (`attention.ForkedWindow`), (3, M) int64: row i sees keys 0..rows[0, i]−1
+    and then rows[1, i]..rows[1, i]+rows[2, i]−1, in that order."""
+    _, heads, n_rows, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     if query.stride(-1) != 1:
         query = query.contiguous()
     if key.stride(-1) != 1 or value.stride() != key.stride():
         key, value = key.contiguous(), value.contiguous()
-    out = torch.empty(1, rows, heads, dim, dtype=torch.float32)
+    runs = (None,) * 3
+    if rows is not None:
+        rows = rows.to(torch.int64).contiguous()
+        runs = tuple(rows[j].data_ptr() for j in range(3))
+    out = torch.empty(1, n_rows, heads, dim, dtype=torch.float32)
     scratch = torch.empty(length, dtype=torch.float32)
     _library().attention_f32(
         query.data_ptr(),
@@ -349,11 +365,12 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
         key.stride(2),
         out.data_ptr(),
         scratch.data_ptr(),
-        rows,
+        n_rows,
         heads,
         kv_heads,
         length,
         dim,
         scale,
+        *runs,
     )
     return out

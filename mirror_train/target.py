@@ -28,6 +28,7 @@ from torch import nn
 from mirror_train import attention
 from mirror_train.devices import resolve_device
 from mirror_train.errors import MirrorTrainError
+from mirror_train.forked_window import ForkedWindow
 from mirror_train.signature import TargetSignature
 from mirror_train.testbed import resolve_model, upstream_name
 
@@ -178,16 +179,51 @@ class Target:
             if extra or getattr(layer, "is_sliding", False):
                 layer.crop(-extra)
 
+    @staticmethod
+    @torch.inference_mode()
+    def keep_path(cache, past: int, rows: list[int]) -> None:
+        """Keep the window rows `rows` (indices into the window that started at position `past`, in order) as the
+        positions past, past + 1, ...: a forked window's kept chain moved down behind its stem, layer by layer
+        (then `crop` drops the rest). Rows already in place are not copied."""
+        moves = [(past + i, past + r) for i, r in enumerate(rows) if r != i]
+        if not moves:
+            return
+        dst = torch.tensor([d for d, _ in moves])
+        src = torch.tensor([s for _, s in moves])
+        for layer in cache.layers:
+            for name in ("keys", "values"):
+                x = getattr(layer, name)
+                x.index_copy_(-2, dst.to(x.device), x.index_select(-2, src.to(x.device)))
+
     # --- the two halves ----------------------------------------------------------------------------------------
-    def window_state(self, hidden: torch.Tensor, cache, attention_mask: torch.Tensor | None = None) -> PrefixState:
+    def window_state(
+        self,
+        hidden: torch.Tensor,
+        cache,
+        attention_mask: torch.Tensor | None = None,
+        forked: ForkedWindow | None = None,
+    ) -> PrefixState:
         """Masks, rotary tables and position ids for a window of states `hidden` (B, T, H) after `cache`.
 
         Positions continue from the cache's length. Also used by proxy heads that run decoder blocks of their own
-        over ℓe states, so that they build masks exactly as the target does.
+        over ℓe states, so that they build masks exactly as the target does. `forked`: the window holds two chains
+        (forked_window.py; full-attention layers only), each row at its chain's position, seeing its chain alone.
         """
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         past = self.cache_length(cache)
+        if forked is not None:
+            plain = set(self.layer_types) == {_FULL} and attention_mask is None and hidden.shape[:2] == (1, forked.rows)
+            if not (plain and self.row_invariant):  # the attention that reads its rows' keys is attention.py's
+                raise MirrorTrainError(
+                    "a forked window needs one unpadded sequence, full-attention layers and the row-invariant "
+                    "attention (an SDPA model)"
+                )
+            position_ids = (past + torch.tensor(forked.depths(), device=hidden.device)).unsqueeze(0)
+            mask = attention.forked(forked.mask(past, hidden.device), forked.runs(past))
+            typed = (_FULL,) if self._typed_rotary else ()
+            rope = self.decoder.rotary_emb(hidden, position_ids, *typed)
+            return PrefixState(hidden, 0, cache, position_ids, {_FULL: mask}, {_FULL: rope})
         position_ids = torch.arange(past, past + hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask_kwargs = dict(
             config=self.config,
@@ -213,13 +249,15 @@ class Target:
         cache,
         exit_layer: int,
         attention_mask: torch.Tensor | None = None,
+        forked: ForkedWindow | None = None,
     ) -> PrefixState:
         """Run layers 1..ℓe over `input_ids` (B, T), appending to `cache`; return the ℓe state of every position.
 
-        `attention_mask` is the usual 2-D padding mask over cached + new positions (None: no padding).
+        `attention_mask` is the usual 2-D padding mask over cached + new positions (None: no padding); `forked`: the
+        window's rows are two chains (forked_window.py).
         """
         self.check_exit_layer(exit_layer)
-        state = self.window_state(self.decoder.embed_tokens(input_ids), cache, attention_mask)
+        state = self.window_state(self.decoder.embed_tokens(input_ids), cache, attention_mask, forked)
         state.exit_layer = exit_layer
         state.hidden = self.run_layers(state, self.decoder.layers, range(exit_layer))
         return state

@@ -50,6 +50,32 @@ def accept(window: Sequence[int], tokens: Sequence[int]) -> tuple[int, int]:
     return n, int(tokens[n])
 
 
+def accept_forked(
+    window: Sequence[int], alt: Sequence[int], forked, tokens: Sequence[int]
+) -> tuple[int, int, list[int], int | None]:
+    """The verification rule over a forked window (forked_window.py; None: a plain one): rows [y_t, window,
+    alt[fork:]], `tokens` the target's token at each row. Each chain is accepted as `accept` would (a token is kept
+    while it equals the target's token at its parent's row); the chain that keeps more is committed (the main one
+    on a tie).
+
+    Returns (A, c*, rows, A_alt): A the main chain's kept tokens, A_alt the second chain's (None: not forked), c* the
+    committed chain's correction and `rows` the rows of [y_t, its kept tokens] (the last gave c*): the rows whose
+    states and cache entries become the committed ones. The second chain is committed iff A_alt > A; then A is
+    exactly the shared stem (past it the chains' next tokens differ, so at most one is the target's)."""
+    if forked is None:
+        a, c = accept(window, tokens)
+        return a, c, list(range(a + 1)), None
+    if len(tokens) != forked.rows or len(window) != forked.main or len(alt) != forked.fork + forked.alt:
+        raise ValueError(f"a forked window {forked} does not match {len(window)} + {len(alt)} tokens")
+    a, c = accept(window, tokens[: 1 + forked.main])
+    rows = [0]
+    while len(rows) <= len(alt) and alt[len(rows) - 1] == tokens[rows[-1]]:
+        rows.append(forked.alt_row(len(rows) - 1))
+    if len(rows) - 1 > a:
+        return a, int(tokens[rows[-1]]), rows, len(rows) - 1
+    return a, c, list(range(a + 1)), len(rows) - 1
+
+
 def truncate(new_tokens: list[int], stops: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
     """Cut generated tokens after the first stop token (kept, as `generate` keeps it) or at `max_new_tokens`;
     returns (tokens, finished)."""

@@ -60,6 +60,9 @@ class EngineConfig:
     # oneDNN-prepacked linears on a CPU, else torch's path; installed on the target in place, so every method (the
     # transformers peers too) runs the same module.
     fast_path: Literal["auto", "exact", "onednn", "none"] = "auto"
+    # Verify the draft's chain and a copied one together in one pass where both promise tokens (a forked window:
+    # forked_window.py), on the row-exact kernels, where a row costs ~4% of a step and every row is exact.
+    forked_windows: bool = True
 
     def validate(self) -> None:
         check_kappa(self.kappa)
@@ -120,6 +123,8 @@ class StepStats:
     fallback_ms: float = 0.0
     draft_forwards: int = 0  # forwards of the fallback rollout that made the next window (0: reused or none)
     source: str | None = None  # what the next window was drafted by: "model" or "ngram" (prompt lookup)
+    alt: int = 0  # rows of a forked window's second chain, verified beside the window (included in `window`)
+    alt_kept: bool = False  # the second chain kept more, and was committed
     predicted_ms: float = 0.0
 
 

@@ -39,7 +39,7 @@ import torch
 
 from mirror_train import fastpath
 from mirror_train.devices import clock, pinned, resolve_device
-from mirror_train.engine.acceptance import accept, target_tokens, truncate
+from mirror_train.engine.acceptance import accept_forked, target_tokens, truncate
 from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDraft
 from mirror_train.engine.config import METHODS, EngineConfig, Generation, StepStats
 from mirror_train.engine.latency import predicted_step_ms
@@ -47,6 +47,7 @@ from mirror_train.engine.messages import Branches, Candidates, Ping, Start, Verd
 from mirror_train.engine.setup import bind_head, draft_spec
 from mirror_train.engine.window import fit_costs
 from mirror_train.errors import MirrorTrainError
+from mirror_train.forked_window import ForkedWindow
 from mirror_train.generation import encode_chat, stop_token_ids
 from mirror_train.target import Target
 from mirror_train.vocab import top_ranked
@@ -79,6 +80,15 @@ class MirrorEngine:
             )
         self.fast_path = fastpath.install(target.model, cfg.fast_path)
         self.head = bind_head(target, cfg, proxy_head)
+        # Forked windows (both window sources' chains verified in one pass, forked_window.py) where a row costs
+        # little and every row is exact: the row-exact kernels; not with a proxy head that caches window rows itself
+        self.forks = (
+            cfg.forked_windows
+            and self.fast_path == "exact"
+            and target.row_invariant
+            and all(kind == "full_attention" for kind in target.layer_types)
+            and self.head.new_cache() is None
+        )
         if cfg.kappa > target.vocab_size:
             raise MirrorTrainError(f"kappa={cfg.kappa} exceeds the vocabulary ({target.vocab_size})")
         self.exit_layer = self.head.cfg.exit_layer
@@ -282,7 +292,7 @@ class MirrorEngine:
                 verdict = Verdict(0, first, first_states, None, *self._cost_fields())
                 self._send(seq, verdict)
                 reply = self._receive(seq)
-                seq.window = list(reply.tokens) if reply is not None else []
+                seq.window, seq.alt, seq.fork = _window(reply)
         stats.step_ms = stats.wait_ms = stats.predicted_ms = (self._now() - t0) * 1e3
         seq.pending, seq.cached = first, len(seq.ids)
         return stats
@@ -292,44 +302,57 @@ class MirrorEngine:
         acceptance; the cache rolled back to the committed tokens; the verdict, answered by the next window."""
         cfg, target, head = self.config, self.target, self.head
         window, slots = seq.window, self.draft_slots if seq.method in ("sd", "mirror") else []
+        # a forked window: the second chain's own tokens after the main chain's (forked_window.py)
+        forked = ForkedWindow(len(window), seq.fork, len(seq.alt) - seq.fork) if seq.alt else None
+        rows = [seq.pending] + window + seq.alt[seq.fork :]
+        main = 1 + len(window)  # the main chain's rows: what the proxy head and the branches read
         t0 = self._now()
-        stats = StepStats(committed=0, accepted=0, window=len(window))
-        state = target.prefix(torch.tensor([[seq.pending] + window], device=target.device), seq.cache, self.exit_layer)
+        stats = StepStats(committed=0, accepted=0, window=len(rows) - 1, alt=len(rows) - main)
+        ids = torch.tensor([rows], device=target.device)
+        state = target.prefix(ids, seq.cache, self.exit_layer, forked=forked)
         t1 = t2 = t3 = self._now()
         asked = False
         if seq.method == "mirror" and seq.channel is not None:  # an empty window too: branches for c* alone
-            exit_states = {"exit": state.hidden[0]} if "exit" in slots or cfg.head_placement == "draft" else None
+            exit_main = state.hidden[0, :main]
+            exit_states = {"exit": exit_main} if "exit" in slots or cfg.head_placement == "draft" else None
             candidates = None
             if cfg.head_placement == "target":
-                candidates = Candidates(*head.window_candidates(state.hidden[0], window, cfg.kappa, seq.head_cache))
+                candidates = Candidates(*head.window_candidates(exit_main, window, cfg.kappa, seq.head_cache))
             t2 = self._now()
             asked = self._send(seq, Branches(self._suffix_ms, candidates, self._wire(exit_states)))
             t3 = self._now()
         logits, final = target.suffix_states(state)  # (1, γ+1, V), (1, γ+1, H)
         t4 = self._now()
-        y = target_tokens(logits[0], cfg.temperature, cfg.seed, len(seq.new))
-        accepted, correction = accept(window, y)
+        y = target_tokens(logits[0, :main], cfg.temperature, cfg.seed, len(seq.new))
+        if forked is not None:  # the second chain's rows sample at their own output positions
+            y += target_tokens(logits[0, main:], cfg.temperature, cfg.seed, len(seq.new) + seq.fork + 1)
+        main_accepted, correction, path, alt_accepted = accept_forked(window, seq.alt, forked, y)
+        alt_won = alt_accepted is not None and alt_accepted > main_accepted
+        accepted, drafted = (alt_accepted, seq.alt) if alt_won else (main_accepted, window)
+        if alt_won:  # the second chain's rows move down behind the stem, where plain decoding would have them
+            Target.keep_path(seq.cache, seq.cached, path)
         seq.cached += 1 + accepted
         Target.crop(seq.cache, seq.cached)
         if seq.head_cache is not None:
             Target.crop(seq.head_cache, seq.cached)
-        out, seq.done = truncate(seq.new + window[:accepted] + [correction], seq.stops, seq.max_new_tokens)
+        out, seq.done = truncate(seq.new + drafted[:accepted] + [correction], seq.stops, seq.max_new_tokens)
         chunk, seq.new = out[len(seq.new) :], out
-        self._verify_samples.append((len(window), (t1 - t0 + t4 - t3) * 1e3))
+        self._verify_samples.append((len(rows) - 1, (t1 - t0 + t4 - t3) * 1e3))
         t5 = self._now()
-        info, seq.window = {}, []
+        info, seq.window, seq.alt, seq.fork = {}, [], [], 0
         if seq.channel is not None and not seq.done:
-            committed = {"exit": state.hidden[0], "final": final[0]}
+            committed = {"exit": state.hidden[0, path], "final": final[0, path]}
             # the committed positions' states the draft reads and has not had: ℓe ones unless a Branches brought
-            # them, final ones always
-            sent = {slot: committed[slot][: accepted + 1] for slot in slots if slot == "final" or not asked}
-            verdict = Verdict(accepted, correction, self._wire(sent), self._prefix_ms, *self._cost_fields())
+            # them (the main chain's), final ones always
+            sent = {slot: committed[slot] for slot in slots if slot == "final" or not asked or alt_won}
+            verdict = Verdict(main_accepted, correction, self._wire(sent), self._prefix_ms, *self._cost_fields())
+            verdict.alt_accepted = alt_accepted
             if self._send(seq, verdict):
                 reply = self._receive(seq)
                 if reply is not None:
-                    seq.window, info = list(reply.tokens), reply.info
+                    (seq.window, seq.alt, seq.fork), info = _window(reply), reply.info
         t6 = self._now()
-        stats.committed, stats.accepted = len(chunk), accepted
+        stats.committed, stats.accepted, stats.alt_kept = len(chunk), accepted, alt_won
         stats.prefix_ms, stats.head_ms, stats.send_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
         stats.suffix_ms, stats.wait_ms, stats.step_ms = (t4 - t3) * 1e3, (t6 - t5) * 1e3, (t6 - t0) * 1e3
         if "candidates" in info:  # the proxy's top-κ where the window stopped: online hit_κ and Ω_κ
@@ -376,7 +399,10 @@ class MirrorEngine:
 
     def _start_message(self, seq: _Sequence, states) -> Start:
         look_ahead = seq.method == "mirror" and self.config.look_ahead
-        return Start(seq.ids, self.config.gamma, seq.reference, self._wire(states), look_ahead, *self._cost_fields())
+        costs, step_ms = self._cost_fields()
+        return Start(
+            seq.ids, self.config.gamma, seq.reference, self._wire(states), look_ahead, costs, step_ms, self.forks
+        )
 
     def _send(self, seq: _Sequence, msg) -> bool:
         """Send to the sequence's draft; a draft that is gone is a fault (generation goes on without it)."""
@@ -462,6 +488,15 @@ class _Sequence:
     cached: int = 0  # positions in the target's cache
     pending: int = 0  # the newest committed token, not yet in the target's cache
     window: list[int] = field(default_factory=list)
+    alt: list[int] = field(default_factory=list)  # a forked window's second chain (forked_window.py)
+    fork: int = 0  # the tokens alt shares with window
+
+
+def _window(reply) -> tuple[list[int], list[int], int]:
+    """The next window of a draft's reply (None: the draft is gone): its tokens, a second chain, their shared stem."""
+    if reply is None:
+        return [], [], 0
+    return list(reply.tokens), list(reply.alt), int(reply.fork)
 
 
 def _ema(mean: float | None, x: float) -> float:

@@ -41,6 +41,7 @@ class Start:
     look_ahead: bool = False  # Mirror-SD: draft on past each window while the target runs its prefix
     costs: list[float] | None = None  # the target's verification cost by window length, relative (window.py)
     step_ms: float | None = None  # the target's one-token step: what a draft's rollout time is weighed against
+    forks: bool = False  # the target verifies forked windows (two chains at once: forked_window.py)
 
 
 @dataclass
@@ -60,12 +61,17 @@ class Verdict:
     prefix_ms: float | None = None  # the target's prefix time: what the draft's look-ahead must fit
     costs: list[float] | None = None  # the target's verification cost by window length, as measured so far
     step_ms: float | None = None  # the target's one-token step, as measured so far
+    # a forked window's second chain: the tokens it kept (then `accepted` is the main chain's; the chain that kept
+    # more was committed, `correction` its; `states` are of the committed rows)
+    alt_accepted: int | None = None
 
 
 @dataclass
 class Window:
     tokens: list[int]
     info: dict = field(default_factory=dict)  # how it was made: reused, branches, times, forwards, candidates
+    alt: list[int] = field(default_factory=list)  # a second chain to verify with `tokens` (forked_window.py)
+    fork: int = 0  # the leading tokens alt shares with tokens
 
 
 @dataclass

@@ -37,7 +37,14 @@ from mirror_train.engine.messages import Branches, Ping, Pong, Start, Verdict, W
 from mirror_train.engine.ngram import NgramIndex
 from mirror_train.engine.node_states import StateTable, as_states, complete, join
 from mirror_train.engine.rollout import Rollout
-from mirror_train.engine.window import Calibration, best_length, prob_key, rollout_plan, serial_overhead
+from mirror_train.engine.window import (
+    Calibration,
+    best_fork,
+    best_length,
+    prob_key,
+    rollout_plan,
+    serial_overhead,
+)
 from mirror_train.models.drafter_config import TARGET_SLOTS
 
 # A skipped serial rollout is tried anyway after this many skips in a row (`_serial_plan`), and a window source cut
@@ -79,6 +86,10 @@ class DraftServer:
         self.skipped = 0  # fallback rollouts skipped in a row as not worth their time (`_fallback`)
         self.unexplored = 0  # windows cut to nothing in a row while a source had tokens (`_offer`)
         self.window_keys: list = []  # the calibration keys of the window being verified
+        self.forks = False  # the target verifies forked windows: the other source's chain beside the window
+        self.alt: list[int] = []  # that chain, this step (forked_window.py), its keys, and the tokens it shares
+        self.alt_keys: list = []
+        self.fork = 0
         self.head = head
         self.kappa = kappa
         # P(the target keeps a drafted token | the proxy's probability of it): learnt from every verdict, kept across
@@ -136,6 +147,7 @@ class DraftServer:
         if self.ngram is not None:
             self.ngram.reset(msg.prompt)
         self.look_ahead, self.ahead = bool(msg.look_ahead), None
+        self.forks, self.alt, self.alt_keys, self.fork = bool(msg.forks), [], [], 0
         self.tokens = list(msg.prompt)
         self.states = {slot: StateTable(self.device) for slot in self.target_slots}
         self.window_states = None
@@ -205,6 +217,10 @@ class DraftServer:
 
     def _verdict(self, msg: Verdict):
         accepted, correction = int(msg.accepted), int(msg.correction)
+        # a forked window's second chain kept more: its tokens are committed (the engine sent their states); the
+        # main chain then kept exactly the shared stem, and no branch (they hang off the main chain) is the next one
+        alt_won = msg.alt_accepted is not None and msg.alt_accepted > accepted
+        taken = int(msg.alt_accepted) if alt_won else accepted
         self.ahead = None
         if self.conditioned:  # the states of the newest committed token and of d_1..d_A become committed ones
             states = dict(msg.states or {})
@@ -212,21 +228,25 @@ class DraftServer:
                 if self.window_states is None:
                     raise ValueError("a draft that reads ℓe states needs the window's with each step; none came")
                 states["exit"] = self.window_states
-            self._append_states(states, 1 + accepted, "the verdict")
+            self._append_states(states, 1 + taken, "the verdict")
             self.window_states = None
-        committed = self.window[:accepted] + [correction]
+        committed = (self.alt if alt_won else self.window)[:taken] + [correction]
         self.tokens += committed
         if self.ngram is not None:
             self.ngram.extend(committed)
         if msg.costs:
             self.costs, self.step_ms = list(msg.costs), msg.step_ms
         self.calibration.update(self.window_keys, accepted)
+        if msg.alt_accepted is not None:  # each source learns from its own chain
+            self.calibration.update(self.alt_keys, int(msg.alt_accepted))
+        self.alt, self.alt_keys, self.fork = [], [], 0
         info = {"branches": self.num_branches, "branch_ms": self.branch_ms if self.rolled_spine else 0.0}
         if self.window_p is not None:  # learn the acceptance rate; report the candidates where the window stopped
             self.acceptance.update([prob_key(p) for p in self.window_p], accepted)
-            info["candidates"] = self.cands[accepted]
+            if not alt_won:
+                info["candidates"] = self.cands[accepted]
             self.window_p = self.cands = None
-        hit = self.rolled.get((accepted, correction))
+        hit = None if alt_won else self.rolled.get((accepted, correction))
         if self.rolled_spine:
             # the pending tokens, and the accepted window unless it must be fed again as committed tokens
             keep = self.rolled_spine + (0 if self.refeed else accepted)
@@ -340,9 +360,35 @@ class DraftServer:
             if best is None or rate > best[0]:
                 best = (rate, tokens[:length], None if pairs is None else pairs[:length], keys[:length], source)
         _, self.window, self.window_pairs, self.window_keys, source = best
+        self.alt, self.alt_keys, self.fork = [], [], 0
+        if self.forks and self.adaptive_window and len(options) == 2 and not explore:
+            source = self._fork(options, best) or source
         offered = any(tokens for tokens, *_ in options)
         self.unexplored = self.unexplored + 1 if offered and not self.window else 0
-        return Window(list(self.window), info | {"source": source if self.window else None})
+        alt_source = next((o[3] for o in options if o[3] != source), None) if self.alt else None
+        info = info | {"source": source if self.window else None, "alt_source": alt_source}
+        return Window(list(self.window), info, list(self.alt), self.fork)
+
+    def _fork(self, options: list, best: tuple) -> str | None:
+        """Both sources' chains as one forked window, where that promises more committed tokens per unit of the
+        target's time than the best single one (`best`, its rate first): the better single source's chain is the
+        main one (Mirror-SD's branches hang off it), the other's hangs off their shared stem. Returns the main
+        chain's source, None where no fork pays."""
+        (tokens_a, pairs_a, keys_a, _), (tokens_b, _, keys_b, _) = options
+        if not tokens_a or not tokens_b:
+            return None
+        shared = 0
+        while shared < min(len(tokens_a), len(tokens_b)) and tokens_a[shared] == tokens_b[shared]:
+            shared += 1
+        la, lb, rate = best_fork(self.calibration.predict(keys_a), self.calibration.predict(keys_b), shared, self.costs)
+        if not la or rate <= best[0] + 1e-9:
+            return None
+        main, other = (options[1], options[0]) if best[4] == options[1][3] and best[1] else (options[0], options[1])
+        lm, lo = (lb, la) if main is options[1] else (la, lb)
+        self.window, self.window_keys = list(main[0][:lm]), main[2][:lm]
+        self.window_pairs = None if main[1] is None else main[1][:lm]
+        self.alt, self.alt_keys, self.fork = list(other[0][:lo]), other[2][:lo], min(shared, lm, lo)
+        return main[3]
 
     def _serial(self, tail: Rollout, n: int) -> Rollout:
         """Draft `n` tokens one branch deep after the committed tokens the cache lacks and the drafted `tail` (which

@@ -8,7 +8,8 @@ i is kept with probability a_i given the tokens before it were, the step commits
 
 tokens, so the window worth verifying is the prefix w maximising E(w) / c(w) (w = 0: a plain target step). The
 a_i come from calibrations learnt online from every verdict (`Calibration`): a model-drafted token's by the draft's
-own probability of it, a copied token's (ngram.py) by its match size.
+own probability of it, a copied token's (ngram.py) by its match size. Where both sources have tokens worth a row,
+the two chains can be verified together as one forked window (`best_fork`, forked_window.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ from collections.abc import Sequence
 
 def expected_committed(accept: Sequence[float]) -> list[float]:
     """E(w) for w = 0..len(accept) (module docstring)."""
-    out, reach = [1.0], 1.0
-    for a in accept:
-        reach *= a
+    out = [1.0]
+    for reach in expected_reach(accept)[1:]:
         out.append(out[-1] + reach)
     return out
 
@@ -38,6 +38,41 @@ def best_length(accept: Sequence[float], cost: Sequence[float]) -> tuple[int, fl
         if rate > best[1] + 1e-9:
             best = (w, rate)
     return best
+
+
+def best_fork(accept_a: Sequence[float], accept_b: Sequence[float], shared: int, cost: Sequence[float]):
+    """(la, lb, rate): the lengths of two drafted chains to verify together as one forked window
+    (forked_window.py), a's first la tokens and b's first lb, maximising expected committed tokens per unit of
+    verification time; (0, 0, 0.0) when no pair forks. `shared`: how many leading tokens the two chains have in
+    common (they fork after min(shared, la, lb) of them; a pair where one chain is the other's prefix is a single
+    chain, `best_length`'s business).
+
+    Past the fork at most one chain's next token is the target's, so P(the step keeps ≥ i tokens) is the sum of the
+    two chains' reach there (each Π a_j), at most the stem's; on the stem, the better of their estimates. The cost
+    is that of every row: la + lb − fork drafted tokens."""
+    reach_a, reach_b = expected_reach(accept_a), expected_reach(accept_b)
+    best = (0, 0, 0.0)
+    for la in range(1, len(accept_a) + 1):
+        for lb in range(1, len(accept_b) + 1):
+            fork = min(shared, la, lb)
+            if fork >= la or fork >= lb:
+                continue
+            stem = max(reach_a[fork], reach_b[fork])
+            expected = 1.0 + sum(max(reach_a[i], reach_b[i]) for i in range(1, fork + 1))
+            for i in range(fork + 1, max(la, lb) + 1):
+                expected += min(stem, (reach_a[i] if i <= la else 0.0) + (reach_b[i] if i <= lb else 0.0))
+            rate = expected / _cost(cost, la + lb - fork)
+            if rate > best[2] + 1e-9:
+                best = (la, lb, rate)
+    return best
+
+
+def expected_reach(accept: Sequence[float]) -> list[float]:
+    """P(the first i drafted tokens are all kept) for i = 0..len(accept): 1, a_1, a_1·a_2, ..."""
+    out = [1.0]
+    for a in accept:
+        out.append(out[-1] * a)
+    return out
 
 
 def _cost(cost: Sequence[float], w: int) -> float:
