@@ -39,7 +39,7 @@ def bind_head(target: Target, cfg: EngineConfig, proxy_head) -> ProxyHead:
     if proxy_head._target is not target:
         proxy_head.bind(target)
     # Beside the target it computes in the target's precision, like the final norm and LM head it borrows.
-    return proxy_head.to(target.dtype)
+    return proxy_head.to(target.device, target.dtype)
 
 
 def draft_spec(target: Target, cfg: EngineConfig, draft, head: ProxyHead, workdir: str) -> tuple[dict, list[str]]:

@@ -118,7 +118,8 @@ class ProxyHead(nn.Module):
 
     # --- binding to the target's frozen final norm + LM head -----------------------------------------------------
     def bind(self, target) -> ProxyHead:
-        """Attach the target's final norm and LM head (kept out of this module's parameters and state dict)."""
+        """Attach the target's final norm and LM head (kept out of this module's parameters and state dict), and
+        move this head's own parameters to their device."""
         if target.hidden_size != self.hidden_size:
             raise MirrorTrainError(
                 f"proxy head expects hidden size {self.hidden_size}, the target has {target.hidden_size}"
@@ -149,7 +150,8 @@ class ProxyHead(nn.Module):
             self.lora = head  # registered: its LoRA A/B are trained and saved (the base weight stays frozen)
         else:
             object.__setattr__(self, "_head", head)
-        return self
+        # its own parameters live where what it borrows lives: the target's device (or a HeadEnd's)
+        return self.to(target.lm_head.weight.device)
 
     def restrict(self, ids: torch.Tensor | None) -> ProxyHead:
         """Score only the target ids `ids` (None: the whole vocabulary again); candidates stay target ids.
