@@ -1,0 +1,82 @@
+"""Where each method's step time goes, on the testbed with trained artifacts: every method side by side in one run,
+interleaved per question, and the engine's per-step statistics (StepStats) summed per method.
+
+    python scripts/bench_steps.py --proxy-head outputs/proxy_head_smollm2/export \
+        --draft outputs/drafter_smollm2/export --per-category 1 --max-new-tokens 128 [--variants ar,pld,sd,mirror]
+
+A variant is a method, optionally with `-noforks` (forked windows off: EngineConfig.forked_windows=False), so
+one run compares with and without them. Per variant: tokens/s over the questions (prefill included, Spec-Bench's
+convention), committed tokens per step, drafted rows verified per step, the share of steps verifying a forked
+window and of those where its second chain was kept, and the mean ms a step of the target's prefix, suffix and of
+the wait for the next window. Every answer is checked against ar's, token for token. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import replace
+
+from mirror_train.devices import cpu_model
+from mirror_train.engine import EngineConfig, MirrorEngine
+from mirror_train.eval.questions import TASKS, load_questions
+from mirror_train.prompts import default_specbench_file
+from mirror_train.target import Target
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--proxy-head", default=None, help="exported proxy head (default: the logit lens at ℓe)")
+    ap.add_argument("--draft", required=True, help="exported draft")
+    ap.add_argument("--per-category", type=int, default=1, help="Spec-Bench questions per task (turn 1)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--variants", default="ar,pld,sd,mirror,sd-noforks,mirror-noforks")
+    args = ap.parse_args()
+
+    target = Target.load("testbed")
+    questions = load_questions(default_specbench_file(), None, args.per_category)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    base = EngineConfig()
+    engines = {
+        forks: MirrorEngine(target, args.proxy_head, args.draft, replace(base, forked_windows=forks)).start()
+        for forks in {not v.endswith("-noforks") for v in variants}
+    }
+    for engine in engines.values():  # warm-up: the kernels, the draft's calibration, the channel
+        engine.generate(questions[0].messages(), 8, method="mirror")
+    rows = {v: [] for v in ["ar"] + [v for v in variants if v != "ar"]}
+    references = {}
+    for q in questions:
+        for v in ["ar"] + [v for v in variants if v != "ar"]:
+            method, forks = v.removesuffix("-noforks"), not v.endswith("-noforks")
+            g = engines[forks].generate(q.messages(), args.max_new_tokens, method=method)
+            if method == "ar":
+                references[q.id] = g.tokens
+            rows[v].append((TASKS[q.category], g, g.tokens == references[q.id]))
+    for engine in engines.values():
+        engine.close()
+
+    print(f"\n{len(questions)} questions × ≤ {args.max_new_tokens} tokens, {cpu_model()}\n")
+    print(
+        "| variant | tok/s | vs ar | committed / step | rows / step | forked | 2nd chain kept | prefix ms | "
+        "suffix ms | wait ms | step ms | lossless |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ar_rate = statistics.mean(g.tokens_per_s for _, g, _ in rows["ar"])
+    for v, got in rows.items():
+        steps = [s for _, g, _ in got for s in g.steps[1:]]  # the prefill aside
+        rate = statistics.mean(g.tokens_per_s for _, g, _ in got)
+        forked = [s for s in steps if s.alt]
+
+        def mean(field, steps=steps):
+            return statistics.mean(getattr(s, field) for s in steps) if steps else 0.0
+
+        print(
+            f"| {v} | {rate:.1f} | {rate / ar_rate:.2f}× | {mean('committed'):.2f} | {mean('window'):.2f} | "
+            f"{len(forked) / max(len(steps), 1):.2f} | {sum(s.alt_kept for s in forked) / max(len(forked), 1):.2f} | "
+            f"{mean('prefix_ms'):.1f} | {mean('suffix_ms'):.1f} | {mean('wait_ms'):.1f} | {mean('step_ms'):.1f} | "
+            f"{all(ok for *_, ok in got)} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
