@@ -361,34 +361,52 @@ class DraftServer:
                 best = (rate, tokens[:length], None if pairs is None else pairs[:length], keys[:length], source)
         _, self.window, self.window_pairs, self.window_keys, source = best
         self.alt, self.alt_keys, self.fork = [], [], 0
-        if self.forks and self.adaptive_window and len(options) == 2 and not explore:
+        if self.forks and self.adaptive_window and self.ngram is not None and not explore:
             source = self._fork(options, best) or source
         offered = any(tokens for tokens, *_ in options)
         self.unexplored = self.unexplored + 1 if offered and not self.window else 0
-        alt_source = next((o[3] for o in options if o[3] != source), None) if self.alt else None
+        alt_source = ("ngram" if source == "model" else "model") if self.alt else None
         info = info | {"source": source if self.window else None, "alt_source": alt_source}
         return Window(list(self.window), info, list(self.alt), self.fork)
 
     def _fork(self, options: list, best: tuple) -> str | None:
-        """Both sources' chains as one forked window, where that promises more committed tokens per unit of the
-        target's time than the best single one (`best`, its rate first): the better single source's chain is the
-        main one (Mirror-SD's branches hang off it), the other's hangs off their shared stem. Returns the main
-        chain's source, None where no fork pays."""
-        (tokens_a, pairs_a, keys_a, _), (tokens_b, _, keys_b, _) = options
-        if not tokens_a or not tokens_b:
+        """The model's chain and a copied one as one forked window, where that promises more committed tokens per
+        unit of the target's time than the best single window (`best`, its rate first). The copies tried: the one
+        after the committed text (options[1], if any), and those after the committed text and the model's first f
+        drafted tokens (f = 1..w−1: the model starts a quote, the copy finishes it), which hang off the model's
+        chain after its f-th token. The main chain is the better single source's (Mirror-SD's branches hang off
+        it); a copy after model tokens always hangs off the model's. Returns the main chain's source, None where no
+        fork pays."""
+        model = options[0]
+        tokens_a, keys_a = model[0], model[2]
+        if not tokens_a:
             return None
-        shared = 0
-        while shared < min(len(tokens_a), len(tokens_b)) and tokens_a[shared] == tokens_b[shared]:
-            shared += 1
-        la, lb, rate = best_fork(self.calibration.predict(keys_a), self.calibration.predict(keys_b), shared, self.costs)
-        if not la or rate <= best[0] + 1e-9:
+        chains = [(options[1][0], options[1][2])] if len(options) > 1 else []
+        for f in range(1, len(tokens_a)):
+            copy, n = self.ngram.propose(self.ngram_tokens, after=tokens_a[:f])
+            if copy and copy[0] != tokens_a[f]:  # else it is (or starts as) the model's own chain
+                chains.append((tokens_a[:f] + copy, keys_a[:f] + [("ngram", min(n, 3), False)] * len(copy)))
+        choice = None
+        for i, (tokens_b, keys_b) in enumerate(chains):
+            shared = 0
+            while shared < min(len(tokens_a), len(tokens_b)) and tokens_a[shared] == tokens_b[shared]:
+                shared += 1
+            accept_a, accept_b = self.calibration.predict(keys_a), self.calibration.predict(keys_b)
+            la, lb, rate = best_fork(accept_a, accept_b, shared, self.costs)
+            if la and rate > (choice[0] if choice else best[0]) + 1e-9:
+                choice = (rate, i, la, lb, shared)
+        if choice is None:
             return None
-        main, other = (options[1], options[0]) if best[4] == options[1][3] and best[1] else (options[0], options[1])
-        lm, lo = (lb, la) if main is options[1] else (la, lb)
-        self.window, self.window_keys = list(main[0][:lm]), main[2][:lm]
-        self.window_pairs = None if main[1] is None else main[1][:lm]
-        self.alt, self.alt_keys, self.fork = list(other[0][:lo]), other[2][:lo], min(shared, lm, lo)
-        return main[3]
+        _, i, la, lb, shared = choice
+        tokens_b, keys_b = chains[i]
+        main, other = (model[0], model[1], keys_a, la, "model"), (tokens_b, None, keys_b, lb, "ngram")
+        if i == 0 and len(options) > 1 and best[4] == "ngram" and best[1]:  # the plain copy is the better one
+            main, other = other, main
+        tokens, pairs, keys, length, source = main
+        self.window, self.window_keys = list(tokens[:length]), keys[:length]
+        self.window_pairs = None if pairs is None else pairs[:length]
+        self.alt, self.alt_keys, self.fork = list(other[0][: other[3]]), other[2][: other[3]], min(shared, la, lb)
+        return source
 
     def _serial(self, tail: Rollout, n: int) -> Rollout:
         """Draft `n` tokens one branch deep after the committed tokens the cache lacks and the drafted `tail` (which
