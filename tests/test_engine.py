@@ -303,10 +303,10 @@ def conditioned_draft(target):
     return draft
 
 
-def slotted_draft(target, slots):
+def slotted_draft(target, slots, layers: int = 2):
     """A conditioned draft (ℓe = 2) reading `slots`, with a fusion far from the identity (so that they matter)."""
     draft = MirrorDrafterForCausalLM.from_target(
-        target, 2, 2, 1, feature_conditioning="target_hidden", target_exit_layer=2
+        target, layers, 2, 1, feature_conditioning="target_hidden", target_exit_layer=2
     )
     draft.config.feature_slots = slots
     state = {k: v for k, v in draft.state_dict().items() if not k.startswith("fusion.")}

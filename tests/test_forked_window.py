@@ -8,11 +8,19 @@ import pytest
 import torch
 
 from mirror_train import fastpath, kernels
-from mirror_train.engine import EngineConfig, MirrorEngine, SyntheticDraftConfig
+from mirror_train.engine import EngineConfig, MirrorEngine, SyntheticDraftConfig, server
 from mirror_train.engine.acceptance import accept_forked
 from mirror_train.engine.window import best_fork, best_length
 from mirror_train.forked_window import ForkedWindow
+from mirror_train.random_models import tiny_model, tiny_tokenizer
 from mirror_train.target import Target
+
+
+def fork_whole(accept_a, accept_b, shared, cost):
+    """In place of window.best_fork: fork the two chains whole wherever they can fork."""
+    la, lb = len(accept_a), len(accept_b)
+    return (la, lb, 1e9) if min(shared, la, lb) < min(la, lb) else (0, 0, 0.0)
+
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the row-exact kernel")
 
@@ -119,9 +127,13 @@ def test_each_chain_scores_as_its_one_token_steps_on_the_testbed(testbed_path):
 
 @needs_kernels
 @pytest.mark.parametrize("forks", [True, False])
-def test_the_engine_forks_where_both_sources_have_tokens_and_the_output_stays_the_targets(tiny_model_dir, forks):
+def test_the_engine_forks_where_both_sources_have_tokens_and_the_output_stays_the_targets(
+    tiny_model_dir, forks, monkeypatch
+):
     """A synthetic draft kept half the time beside copies of a repetitive answer: both sources have chains, and
-    the forked windows leave every output the target's own greedy one (transformers' generate)."""
+    the forked windows leave every output the target's own greedy one (transformers' generate). Every pair of
+    chains that can fork does (whether one pays follows measured times; the rule is tested above)."""
+    monkeypatch.setattr(server, "best_fork", fork_whole)
     target = Target.load(str(tiny_model_dir))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, target.vocab_size, (n,), generator=g).tolist() for n in (6, 17)]
@@ -138,3 +150,46 @@ def test_the_engine_forks_where_both_sources_have_tokens_and_the_output_stays_th
                 assert out.tokens == ref, (method, prompt)
                 forked += sum(s.alt > 0 for s in out.steps)
     assert (forked > 0) == forks
+
+
+@needs_kernels
+@pytest.mark.parametrize("slots", [["exit"], ["exit", "final"], ["exit", "final", "own"]])
+@pytest.mark.parametrize("method,head_placement", [("sd", "target"), ("mirror", "target"), ("mirror", "draft")])
+def test_a_feature_conditioned_draft_reads_the_kept_chains_states(method, head_placement, slots, monkeypatch):
+    """Where the second chain of a forked window is kept, the draft is fed that chain's states: after a generation
+    its cache over the committed tokens equals a fresh forward over them with the target's own states, paired. (A
+    random draft's chain is rarely worth a fork, so here every pair of chains that can fork does, whole: the rule
+    that chooses forks is tested above; this tests what follows from one.)"""
+    from tests.test_engine import paired_cache, proxy_head, slotted_draft
+    from tests.test_engine import reference as plain_reference
+
+    monkeypatch.setattr(server, "best_fork", fork_whole)
+    # and the draft always drafts (a random draft's serial rollouts never pay for the target's wait)
+    monkeypatch.setattr(server, "rollout_plan", lambda *args: (args[4], 1e9))
+
+    model = tiny_model("llama", layers=4, vocab=128)
+    model.config._attn_implementation = "sdpa"  # the row-invariant attention, which reads a fork's key runs
+    target = Target(model, tiny_tokenizer(), "tiny")
+    draft = slotted_draft(target, slots, layers=4)  # the whole tiny target's layers: often right, not always
+    g = torch.Generator().manual_seed(1)  # prompts where every setting keeps a second chain somewhere
+    prompts = [torch.randint(6, 128, (n,), generator=g).tolist() for n in (5, 13, 9, 21, 3)]
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", head_placement=head_placement)
+    cfg.draft_dtype = "float32"
+    kept = forked = 0
+    with MirrorEngine(target, proxy_head(target, "mlp"), draft, cfg) as engine:
+        assert engine.forks
+        for prompt in prompts:
+            ref = plain_reference(target, prompt, 60)
+            out = engine.generate(prompt, 60, method=method, stop=[])
+            assert out.tokens == ref, prompt
+            kept += sum(s.alt_kept for s in out.steps)
+            forked += sum(s.alt > 0 for s in out.steps)
+            side = engine.draft.server
+            committed = side.cached
+            assert side.tokens == (prompt + ref)[: len(side.tokens)]
+            assert all(len(table) == len(side.tokens) - 1 for table in side.states.values())
+            expected = paired_cache(draft, target, side.tokens[: committed + 1])
+            for got, want in zip(side.backend.cache.layers, expected.layers):
+                torch.testing.assert_close(got.keys[:, :, :committed], want.keys, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(got.values[:, :, :committed], want.values, atol=1e-4, rtol=1e-4)
+    assert forked > kept > 0  # a second chain was kept somewhere: the path under test ran
