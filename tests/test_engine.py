@@ -332,6 +332,20 @@ def paired_cache(draft, target, tokens: list[int]):
     return cache
 
 
+def assert_fed_true_states(engine, draft, target, text: list[int]) -> None:
+    """The draft side's tokens are `text`'s start, its state tables cover them, and its cache over the committed
+    tokens equals a fresh forward over them with the target's own states, paired (`paired_cache`)."""
+    server = engine.draft.server
+    committed = server.cached
+    # (the last step's verdict is never sent: the generation ended there)
+    assert server.tokens == text[: len(server.tokens)]
+    assert all(len(table) == len(server.tokens) - 1 for table in server.states.values())
+    expected = paired_cache(draft, target, server.tokens[: committed + 1])
+    for got, want in zip(server.backend.cache.layers, expected.layers):
+        torch.testing.assert_close(got.keys[:, :, :committed], want.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got.values[:, :, :committed], want.values, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("slots", [["exit"], ["exit", "own"], ["exit", "final", "own"], ["final"]])
 @pytest.mark.parametrize(
     "method,head_placement,use_streams",
@@ -353,15 +367,7 @@ def test_a_feature_conditioned_draft_is_lossless_and_reads_the_true_paired_state
         for prompt, ref in zip(prompts, references):
             g = engine.generate(prompt, MAX_NEW, method=method, stop=[])
             assert g.tokens == ref, prompt
-            server = engine.draft.server
-            committed = server.cached
-            # (the last step's verdict is never sent: the generation ended there)
-            assert server.tokens == (prompt + ref)[: len(server.tokens)]
-            assert all(len(table) == len(server.tokens) - 1 for table in server.states.values())
-            expected = paired_cache(draft, target, server.tokens[: committed + 1])
-            for got, want in zip(server.backend.cache.layers, expected.layers):
-                torch.testing.assert_close(got.keys[:, :, :committed], want.keys, atol=1e-4, rtol=1e-4)
-                torch.testing.assert_close(got.values[:, :, :committed], want.values, atol=1e-4, rtol=1e-4)
+            assert_fed_true_states(engine, draft, target, prompt + ref)
 
 
 def test_a_feature_conditioned_draft_in_a_worker_process_is_lossless(target, conditioned_draft, prompts, references):

@@ -160,7 +160,7 @@ def test_a_feature_conditioned_draft_reads_the_kept_chains_states(method, head_p
     its cache over the committed tokens equals a fresh forward over them with the target's own states, paired. (A
     random draft's chain is rarely worth a fork, so here every pair of chains that can fork does, whole: the rule
     that chooses forks is tested above; this tests what follows from one.)"""
-    from tests.test_engine import paired_cache, proxy_head, slotted_draft
+    from tests.test_engine import assert_fed_true_states, proxy_head, slotted_draft
     from tests.test_engine import reference as plain_reference
 
     monkeypatch.setattr(server, "best_fork", fork_whole)
@@ -184,12 +184,5 @@ def test_a_feature_conditioned_draft_reads_the_kept_chains_states(method, head_p
             assert out.tokens == ref, prompt
             kept += sum(s.alt_kept for s in out.steps)
             forked += sum(s.alt > 0 for s in out.steps)
-            side = engine.draft.server
-            committed = side.cached
-            assert side.tokens == (prompt + ref)[: len(side.tokens)]
-            assert all(len(table) == len(side.tokens) - 1 for table in side.states.values())
-            expected = paired_cache(draft, target, side.tokens[: committed + 1])
-            for got, want in zip(side.backend.cache.layers, expected.layers):
-                torch.testing.assert_close(got.keys[:, :, :committed], want.keys, atol=1e-4, rtol=1e-4)
-                torch.testing.assert_close(got.values[:, :, :committed], want.values, atol=1e-4, rtol=1e-4)
+            assert_fed_true_states(engine, draft, target, prompt + ref)
     assert forked > kept > 0  # a second chain was kept somewhere: the path under test ran
