@@ -345,8 +345,10 @@ class MirrorEngine:
             # the committed positions' states the draft reads and has not had: ℓe ones unless a Branches brought
             # them (the main chain's), final ones always
             sent = {slot: committed[slot] for slot in slots if slot == "final" or not asked or alt_won}
-            verdict = Verdict(main_accepted, correction, self._wire(sent), self._prefix_ms, *self._cost_fields())
-            verdict.alt_accepted = alt_accepted
+            costs, step_ms = self._cost_fields()
+            verdict = Verdict(
+                main_accepted, correction, self._wire(sent), self._prefix_ms, costs, step_ms, alt_accepted
+            )
             if self._send(seq, verdict):
                 reply = self._receive(seq)
                 if reply is not None:
