@@ -341,8 +341,8 @@ def attention(
     CPU tensors, the last dimension contiguous. Returns (1, M, H, D), the layout transformers' attention functions
     return. Call only where `available()`.
 
-    rows: a forked window's keys instead (`attention.ForkedWindow`), (3, M) int64: row i sees keys 0..rows[0, i]−1
-    and then rows[1, i]..rows[1, i]+rows[2, i]−1, in that order."""
+    rows: a forked window's keys instead (`forked_window.ForkedWindow.runs`), (3, M) int64: row i sees keys
+    0..rows[0, i]−1 and then rows[1, i]..rows[1, i]+rows[2, i]−1, in that order."""
     _, heads, n_rows, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     if query.stride(-1) != 1:

@@ -188,12 +188,12 @@ class Target:
         moves = [(past + i, past + r) for i, r in enumerate(rows) if r != i]
         if not moves:
             return
-        dst = torch.tensor([d for d, _ in moves])
-        src = torch.tensor([s for _, s in moves])
+        device = cache.layers[0].keys.device
+        dst = torch.tensor([d for d, _ in moves], device=device)
+        src = torch.tensor([s for _, s in moves], device=device)
         for layer in cache.layers:
-            for name in ("keys", "values"):
-                x = getattr(layer, name)
-                x.index_copy_(-2, dst.to(x.device), x.index_select(-2, src.to(x.device)))
+            for x in (layer.keys, layer.values):
+                x.index_copy_(-2, dst, x.index_select(-2, src))
 
     # --- the two halves ----------------------------------------------------------------------------------------
     def window_state(
