@@ -48,7 +48,9 @@ def _attention_reference(q, k, v, scale):
 
 def _check_attention():
     g = torch.Generator().manual_seed(0)
-    for heads, kv_heads, dim, length in ((9, 3, 64, 40), (4, 4, 20, 9), (2, 1, 7, 3)):
+    # head sizes of 2, 4 and 8 vectors (the grouped path: rows in fours, keys in sixteens) and others (the plain one)
+    cases = ((9, 3, 64, 40), (4, 4, 20, 9), (2, 1, 7, 3), (4, 2, 128, 37), (2, 2, 32, 70))
+    for heads, kv_heads, dim, length in cases:
         q = torch.randn(1, heads, 9, dim, generator=g)
         k, v = torch.randn(2, 1, kv_heads, length + 9, dim, generator=g)
         full = kernels.attention(q, k, v, dim**-0.5)
@@ -85,8 +87,15 @@ def test_the_attention_kernel_is_causal_attention_and_a_window_row_is_its_one_to
     """Row i of a window equals the one-row call over exactly the keys it sees, bit for bit (the property that
     makes a window's verification equal one-token decoding), and both are attention to float32 rounding."""
     _check_attention()
-    q, k = torch.randn(1, 3, 2, 8).transpose(1, 2), torch.randn(1, 2, 16, 8)[:, :, ::2]  # strided, as served
-    torch.testing.assert_close(kernels.attention(q, k, k, 0.3).double(), _attention_reference(q, k, k, 0.3))
+    _check_strided()
+
+
+def _check_strided():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 3, 2, 8, generator=g).transpose(1, 2)  # strided, as served
+    k = torch.randn(1, 2, 16, 8, generator=g)[:, :, ::2]
+    reference = _attention_reference(q, k, k, 0.3)  # float32 against float64: a float32 rounding apart
+    torch.testing.assert_close(kernels.attention(q, k, k, 0.3).double(), reference, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not kernels.available(), reason="x86-64 builds")
@@ -101,6 +110,7 @@ def test_the_avx2_and_scalar_builds_compute_the_same_functions_row_exact(arch, m
         assert kernels.available()
         _check_linear()
         _check_attention()
+        _check_strided()
     finally:
         kernels._library.cache_clear()
 
