@@ -8,7 +8,9 @@ A variant is a method, optionally with `-noforks` (forked windows off: EngineCon
 one run compares with and without them. Per variant: tokens/s over the questions (prefill included, Spec-Bench's
 convention), committed tokens per step, drafted rows verified per step, the share of steps verifying a forked
 window and of those where its second chain was kept, and the mean ms a step of the target's prefix, suffix and of
-the wait for the next window. Every answer is checked against ar's, token for token. Prints a Markdown table.
+the wait for the next window; the share of steps whose
+next window is a copy (source ngram), that reused a branch rolled out during the suffix, and the draft's serial
+rollout ms a step. Every answer is checked against ar's, token for token. Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ def main() -> None:
     ap.add_argument("--proxy-head", default=None, help="exported proxy head (default: the logit lens at ℓe)")
     ap.add_argument("--draft", required=True, help="exported draft")
     ap.add_argument("--per-category", type=int, default=1, help="Spec-Bench questions per task (turn 1)")
+    ap.add_argument("--tasks", default=None, help="comma-separated Spec-Bench tasks (default: all six)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--variants", default="ar,pld,sd,mirror,sd-noforks,mirror-noforks")
     args = ap.parse_args()
 
     target = Target.load("testbed")
-    questions = load_questions(default_specbench_file(), None, args.per_category)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    questions = load_questions(default_specbench_file(), tasks, args.per_category)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     base = EngineConfig()
     engines = {
@@ -58,9 +62,9 @@ def main() -> None:
     print(f"\n{len(questions)} questions × ≤ {args.max_new_tokens} tokens, {cpu_model()}\n")
     print(
         "| variant | tok/s | vs ar | committed / step | rows / step | forked | 2nd chain kept | prefix ms | "
-        "suffix ms | wait ms | step ms | lossless |"
+        "suffix ms | wait ms | step ms | copy windows | reused | fallback ms | lossless |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     ar_rate = statistics.mean(g.tokens_per_s for _, g, _ in rows["ar"])
     for v, got in rows.items():
         steps = [s for _, g, _ in got for s in g.steps[1:]]  # the prefill aside
@@ -74,6 +78,8 @@ def main() -> None:
             f"| {v} | {rate:.1f} | {rate / ar_rate:.2f}× | {mean('committed'):.2f} | {mean('window'):.2f} | "
             f"{len(forked) / max(len(steps), 1):.2f} | {sum(s.alt_kept for s in forked) / max(len(forked), 1):.2f} | "
             f"{mean('prefix_ms'):.1f} | {mean('suffix_ms'):.1f} | {mean('wait_ms'):.1f} | {mean('step_ms'):.1f} | "
+            f"{sum(s.source == 'ngram' for s in steps) / max(len(steps), 1):.2f} | "
+            f"{sum(bool(s.reused) for s in steps) / max(len(steps), 1):.2f} | {mean('fallback_ms'):.1f} | "
             f"{all(ok for *_, ok in got)} |"
         )
 
