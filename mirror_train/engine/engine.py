@@ -319,7 +319,8 @@ class MirrorEngine:
             if cfg.head_placement == "target":
                 candidates = Candidates(*head.window_candidates(exit_main, window, cfg.kappa, seq.head_cache))
             t2 = self._now()
-            asked = self._send(seq, Branches(self._suffix_ms, candidates, self._wire(exit_states)))
+            branches = Branches(self._suffix_ms, candidates, self._wire(exit_states), time.monotonic())
+            asked = self._send(seq, branches)
             t3 = self._now()
         logits, final = target.suffix_states(state)  # (1, γ+1, V), (1, γ+1, H)
         t4 = self._now()

@@ -49,6 +49,9 @@ class Branches:
     deadline_ms: float | None  # the target's measured suffix time: what the rollout must fit
     candidates: Candidates | None = None  # None: the proxy head runs on the draft's side, on states["exit"]
     states: States | None = None  # exit: the window's ℓe states, [the newest committed token, d_1..d_γ]
+    # time.monotonic() when the target sent it (system-wide on one Linux machine): the draft's deadline runs from
+    # then, so time spent queued behind the draft's previous work (a look-ahead that overran) comes off it
+    sent_s: float | None = None
 
 
 @dataclass

@@ -166,6 +166,9 @@ class DraftServer:
         start = time.perf_counter()
         # the rollout must be done when the verdict comes: plan for a share of the target's (noisy) suffix time
         deadline = None if msg.deadline_ms is None else msg.deadline_ms * DEADLINE_SHARE
+        late = _queued_ms(msg.sent_s)
+        if deadline is not None and late is not None:  # the target's suffix started when it sent the request
+            deadline = max(0.0, deadline - late)
         exit_states = None
         if "exit" in self.target_slots or msg.candidates is None:  # the draft or the head here reads them
             exit_states = as_states((msg.states or {}).get("exit"), 1 + len(self.window), "the window", self.device)
@@ -440,7 +443,10 @@ class DraftServer:
         depth = self.gamma + 1
         if line is not None and prefix_ms is not None:
             per_pass = (line[0] + line[1]) / self.gamma
-            depth = max(0, min(depth, int(prefix_ms // max(per_pass, 1e-6))))
+            # a serial rollout's cost beyond its passes (feeding the committed tokens) comes first: a look-ahead
+            # that overruns the prefix delays the branch rollout, and the target waits for it
+            budget = prefix_ms - serial_overhead(self.serial_samples, per_pass)
+            depth = max(0, min(depth, int(budget // max(per_pass, 1e-6))))
         if depth < 2 or self.backend is None or not self.window:
             return
         window = Rollout(self.window, [], 0, [], self.window_pairs)
@@ -453,9 +459,12 @@ class DraftServer:
         A shallower tree fits more branches; a hit on a branch of depth δ < γ costs γ − δ passes after the verdict
         (`_extend`) instead of a fallback's γ. Depth γ when everything fits (or nothing has been measured yet)."""
         best = (-1.0, self.gamma, len(ranked))
+        line = rollout_line(self.samples)
         for depth in range(self.gamma, 0, -1):
             scaled = None if deadline_ms is None else deadline_ms * self.gamma / depth
             n = fit_budget(self.samples, scaled, len(ranked))
+            if line is not None and scaled is not None and n == 1 and line[0] + line[1] > scaled and depth > 1:
+                continue  # not even one branch fits at this depth: a shallower one may
             value = depth * sum(p for _, _, p in ranked[:n])
             if value > best[0] + 1e-12:
                 best = (value, depth, n)
@@ -516,6 +525,15 @@ class DraftServer:
                 pair = source[offset : offset + 1]
         exit_rows = self.window_states[r : r + 1] if self.window_states is not None else None
         return self._drafted(1, pair, exit_rows)
+
+
+def _queued_ms(sent_s: float | None) -> float | None:
+    """How long ago (ms) the target sent a message stamped `sent_s` (time.monotonic()): None without a stamp, or
+    where it cannot be this machine's clock (negative, or over a minute: a peer on another host)."""
+    if sent_s is None:
+        return None
+    late = (time.monotonic() - sent_s) * 1000
+    return late if 0.0 <= late < 60_000 else None
 
 
 def _joined(first: Rollout, skip: int, rest: Rollout | None, n: int) -> Rollout:
