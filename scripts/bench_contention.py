@@ -17,8 +17,10 @@ import os
 import time
 
 import torch
+from bench_target import draft_step  # scripts/ is on the path of a script run from it
 
-from mirror_train.devices import cpu_model
+from mirror_train import fastpath
+from mirror_train.devices import cpu_model, resolve_dtype
 from mirror_train.target import Target
 from mirror_train.timing import median_ms, torch_threads
 
@@ -34,23 +36,7 @@ def _load(kind: str, draft: str | None, core: int, ready, stop) -> None:
             x = torch.ones(2**28)  # 1 GB
             work = x.sum
         else:  # the draft's one-node tree forward with its streams, as bench_target.py times it
-            from mirror_train import fastpath
-            from mirror_train.devices import resolve_dtype
-            from mirror_train.engine.rollout import keep_cache_path
-            from mirror_train.models.draft_artifact import load_draft
-
-            target = Target.load("testbed")
-            model = load_draft(draft, target).requires_grad_(False).to(resolve_dtype("auto", "cpu"))
-            fastpath.install(model, "auto")
-            context = 300
-            ids = torch.randint(0, target.vocab_size, (1, context))
-            cache = model.new_cache()
-            model(ids, cache=cache, num_streams=0, logits_index=torch.tensor([context - 1]))
-
-            def work():
-                model.tree_forward([1], [-1], cache, num_streams=None, logits_index=torch.tensor([0]))
-                keep_cache_path(cache, context, [])
-
+            work = draft_step(Target.load("testbed"), draft, 300, resolve_dtype("auto", "cpu"))
         work()
         ready.set()
         while not stop.is_set():
@@ -68,8 +54,6 @@ def main() -> None:
 
     os.sched_setaffinity(0, {args.target_core})
     target = Target.load("testbed")
-    from mirror_train import fastpath
-
     fastpath.install(target.model, "auto")
     ids = torch.randint(0, target.vocab_size, (1, args.context + 1), generator=torch.Generator().manual_seed(0))
     cache = target.new_cache()

@@ -8,9 +8,9 @@ A variant is a method, optionally with `-noforks` (forked windows off: EngineCon
 one run compares with and without them. Per variant: tokens/s over the questions (prefill included, Spec-Bench's
 convention), committed tokens per step, drafted rows verified per step, the share of steps verifying a forked
 window and of those where its second chain was kept, and the mean ms a step of the target's prefix, suffix and of
-the wait for the next window; the share of steps whose
-next window is a copy (source ngram), that reused a branch rolled out during the suffix, and the draft's serial
-rollout ms a step. Every answer is checked against ar's, token for token. Prints a Markdown table.
+the wait for the next window; the share of steps whose next window is a copy (source ngram) and that reused a
+branch rolled out during the suffix, and the draft's serial rollout ms a step. Every answer is checked against
+ar's, token for token. Prints a Markdown table.
 """
 
 from __future__ import annotations

@@ -50,11 +50,13 @@ def step_times(target: Target, context: int, repeats: int) -> dict[int, float]:
     return out
 
 
-def draft_time(target: Target, path: str, context: int, repeats: int, dtype: torch.dtype) -> float:
+def draft_step(target: Target, path: str, context: int, dtype: torch.dtype):
+    """The draft's tree forward of one node with its streams after `context` cached positions, as the engine serves
+    it (its dtype, the fast path): a function that runs one and rolls its cache back."""
     from mirror_train.engine.rollout import keep_cache_path
     from mirror_train.models.draft_artifact import load_draft
 
-    draft = load_draft(path, target).requires_grad_(False).to(dtype)  # as the engine serves it (draft_dtype)
+    draft = load_draft(path, target).requires_grad_(False).to(dtype)
     fastpath.install(draft, "auto")
     ids = torch.randint(0, target.vocab_size, (1, context))
     cache = draft.new_cache()
@@ -65,7 +67,11 @@ def draft_time(target: Target, path: str, context: int, repeats: int, dtype: tor
         draft.tree_forward([1], [-1], cache, num_streams=None, logits_index=torch.tensor([0]))
         keep_cache_path(cache, context, [])
 
-    return median_ms(step, repeats=repeats)
+    return step
+
+
+def draft_time(target: Target, path: str, context: int, repeats: int, dtype: torch.dtype) -> float:
+    return median_ms(draft_step(target, path, context, dtype), repeats=repeats)
 
 
 def main() -> None:

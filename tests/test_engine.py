@@ -729,3 +729,17 @@ def test_prompt_lookup_copies_a_repeating_answer_and_stays_lossless(target, prom
         assert {s.source for s in g.steps[1:-1]} <= {"ngram", None}  # None: nothing to copy, a plain step
     with pytest.raises(MirrorTrainError, match="ngram_tokens"):
         MirrorEngine(target, None, None, EngineConfig(placement="local", ngram_tokens=0)).generate([1], 2, method="pld")
+
+
+def test_a_branch_request_counts_its_time_in_the_queue_only_on_this_machines_clock():
+    """The draft's rollout deadline runs from when the target sent the request (server._queued_ms): a stamp of
+    this machine's monotonic clock gives the time queued; none, a future one or one from long ago (another host's
+    clock) gives None, and the deadline is then the plain share of the suffix."""
+    import time
+
+    from mirror_train.engine.server import _queued_ms
+
+    assert _queued_ms(None) is None
+    assert 5.0 <= _queued_ms(time.monotonic() - 0.010) < 1000.0
+    assert _queued_ms(time.monotonic() + 5.0) is None
+    assert _queued_ms(time.monotonic() - 3600.0) is None

@@ -122,17 +122,3 @@ def test_the_state_table_grows_and_reads_rows_with_zeros_before_its_start():
     torch.testing.assert_close(table.rows(-1, 3, 2), torch.cat([torch.zeros(1, 2), everything[:2]]))
     torch.testing.assert_close(table.rows(97, 3, 2), everything[97:])
     assert table.rows(5, 0, 2).shape == (0, 2) and StateTable().rows(-1, 1, 2).shape == (1, 2)
-
-
-def test_a_branch_request_counts_its_time_in_the_queue_only_on_this_machines_clock():
-    """The draft's rollout deadline runs from when the target sent the request (server._queued_ms): a stamp of
-    this machine's monotonic clock gives the time queued; none, a future one or one from long ago (another host's
-    clock) gives None, and the deadline is then the plain share of the suffix."""
-    import time
-
-    from mirror_train.engine.server import _queued_ms
-
-    assert _queued_ms(None) is None
-    assert 5.0 <= _queued_ms(time.monotonic() - 0.010) < 1000.0
-    assert _queued_ms(time.monotonic() + 5.0) is None
-    assert _queued_ms(time.monotonic() - 3600.0) is None

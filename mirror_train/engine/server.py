@@ -463,7 +463,7 @@ class DraftServer:
         for depth in range(self.gamma, 0, -1):
             scaled = None if deadline_ms is None else deadline_ms * self.gamma / depth
             n = fit_budget(self.samples, scaled, len(ranked))
-            if line is not None and scaled is not None and n == 1 and line[0] + line[1] > scaled and depth > 1:
+            if depth > 1 and line is not None and scaled is not None and line[0] + line[1] > scaled:
                 continue  # not even one branch fits at this depth: a shallower one may
             value = depth * sum(p for _, _, p in ranked[:n])
             if value > best[0] + 1e-12:
