@@ -261,7 +261,10 @@ def test_the_drafts_look_ahead_serves_the_whole_window_branch(
     which the look-ahead drafted during the prefix, so every later window is reused without a serial pass. A
     conditioned draft (its look-ahead reads no states) stays lossless."""
     gamma = 3
-    cfg = EngineConfig(kappa=2, gamma=gamma, branch_budget=2, placement=placement, **ANY_CORE, **FIXED)
+    # (its fallbacks cost nothing, so priced against the cores' contention the look-ahead would rightly be skipped)
+    cfg = EngineConfig(
+        kappa=2, gamma=gamma, branch_budget=2, placement=placement, price_contention=False, **ANY_CORE, **FIXED
+    )
     with MirrorEngine(target, None, SyntheticDraftConfig(acceptance=1.0, forward_ms=0, num_streams=0), cfg) as engine:
         for prompt, ref in zip(prompts, references):
             g = engine.generate(prompt, MAX_NEW, method="mirror", stop=[], reference=ref)
@@ -743,3 +746,37 @@ def test_a_branch_request_counts_its_time_in_the_queue_only_on_this_machines_clo
     assert 5.0 <= _queued_ms(time.monotonic() - 0.010) < 1000.0
     assert _queued_ms(time.monotonic() + 5.0) is None
     assert _queued_ms(time.monotonic() - 3600.0) is None
+
+
+def test_concurrent_work_is_done_only_where_its_saving_beats_the_slowdown_it_causes():
+    """Mirror-SD's look-ahead and branch rollouts slow the target where the devices share a memory bus: work that
+    spares a fallback of 10 ms with probability p, overlapping the target for t ms at contention ρ, pays iff
+    10 p ≥ ρ t; with no contention measured, or no fallback yet, it always does."""
+    from mirror_train.engine.drafts import SyntheticDraft
+    from mirror_train.engine.server import DraftServer
+
+    server = DraftServer(SyntheticDraft(SyntheticDraftConfig(), 100))
+    assert server._pays(0.0, 100.0)  # nothing measured
+    server.contention, server.miss_ms = 0.2, 10.0
+    assert server._pays(0.5, 20.0) and not server._pays(0.1, 20.0)
+    server.contention = 0.0
+    assert server._pays(0.0, 100.0)
+
+
+def test_a_priced_contention_skips_rollouts_and_stays_lossless(target, prompts, references, monkeypatch):
+    """Told that its work slows the target 100-fold, the draft rolls out fewer branches (the steps fall back instead);
+    the output stays the target's own. The probe itself measures a sleeping synthetic draft as a small slowdown."""
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="process", **ANY_CORE, **FIXED)
+    draft = SyntheticDraftConfig(acceptance=0.6, forward_ms=2.0, num_streams=0)
+    with MirrorEngine(target, None, draft, cfg) as engine:
+        engine.generate(prompts[0], 4, method="mirror", stop=[], reference=references[0])
+        assert engine.contention is not None and 0.0 <= engine.contention < 1.0
+    branches = {}
+    for rho in (0.0, 100.0):
+        monkeypatch.setattr(MirrorEngine, "_measure_contention", lambda self, rho=rho: rho)
+        with MirrorEngine(target, None, draft, cfg) as engine:
+            for prompt, ref in zip(prompts, references):
+                g = engine.generate(prompt, MAX_NEW, method="mirror", stop=[], reference=ref)
+                assert g.tokens == ref
+                branches[rho] = branches.get(rho, 0) + sum(s.branches for s in g.steps)
+    assert branches[100.0] < branches[0.0]

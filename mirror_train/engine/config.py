@@ -47,7 +47,8 @@ class EngineConfig:
     # vocabulary: all of them. 96.6% of held-out answer tokens at a third of the head's cost (docs/engine.md)
     head_placement: Literal["target", "draft"] = "draft"  # where the proxy head runs (module docstring)
     # What the draft, and a proxy head on the draft's side, compute in. They only propose, so their precision cannot
-    # change the output; "auto": bfloat16 where bf16 matmuls are fast (CUDA, CPUs with AMX or AVX-512 BF16), else float32.
+    # change the output; "auto": bfloat16 where bf16 matmuls are fast (CUDA, CPUs with AMX or AVX-512 BF16), else
+    # float32.
     draft_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Prompt lookup (ngram.py): windows copied from the prompt and the committed text, up to this long, compete with
     # the draft's in sd and mirror alike (0: off); method "pld" verifies them alone, with no draft model.
@@ -63,6 +64,12 @@ class EngineConfig:
     # Verify the draft's chain and a copied one together in one pass where both promise tokens (a forked window:
     # forked_window.py), on the row-exact kernels, where a row costs ~4% of a step and every row is exact.
     forked_windows: bool = True
+    # Mirror-SD: weigh what the draft's concurrent work (look-ahead, branch rollouts) costs the target against what
+    # it saves. Two CPU cores share a memory bus: the draft's forward on one slowed the target's step on the other
+    # 18% on an AMD EPYC (docs/engine.md). The slowdown is measured once, the target timed alone and beside the
+    # draft's rollouts (~1 s); work whose expected saving (P(hit) × the fallback it spares) is below the slowdown
+    # it causes is not done. Off: every plan fills the target's time, as if the two devices did not interact.
+    price_contention: bool = True
 
     def validate(self) -> None:
         check_kappa(self.kappa)

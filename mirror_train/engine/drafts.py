@@ -6,6 +6,8 @@ Both keep the committed context in a cache of their own and answer the same thre
                                             `MirrorDrafterForCausalLM.rollout_tree`)
     keep(n)                                 commit the first n spine nodes of the last rollout, drop every other node
     fed()                                   how many nodes the last rollout fed (what keep can commit)
+    busy(ms, branches, γ)                   the draft's usual concurrent work for ms, on a dummy context (the
+                                            engine times its target beside it); the next reset starts afresh
 `features` are what the fed tokens read (a feature-conditioned draft; others ignore them): slot → one row per fed
 token, already paired by the server; `widths` (slot → width) says which slots the draft reads.
 """
@@ -67,6 +69,17 @@ class ModelDraft:
     def keep(self, n: int) -> None:
         keep_cache_path(self.cache, self.committed, range(n))
         self.committed = self.cache.get_seq_length()
+
+    @torch.no_grad()
+    def busy(self, ms: float, branches: int, gamma: int) -> None:
+        prompt = list(range(1, 65))
+        zeros = {slot: torch.zeros(len(prompt) - 1 + branches, width) for slot, width in self.widths.items()}
+        self.reset(prompt, None, {slot: z[: len(prompt) - 1] for slot, z in zeros.items()})
+        end = time.perf_counter() + ms / 1000
+        while time.perf_counter() < end:
+            roots = [(0, prompt[i % len(prompt)]) for i in range(branches)]
+            self.rollout(prompt[-1:], roots, gamma, {slot: z[: 1 + branches] for slot, z in zeros.items()})
+            self.keep(0)
 
     def fed(self) -> int:
         return self.cache.get_seq_length() - self.committed
@@ -148,6 +161,9 @@ class SyntheticDraft:
     def keep(self, n: int) -> None:
         self.context += self.spine[:n]
         self.spine = []
+
+    def busy(self, ms: float, branches: int, gamma: int) -> None:
+        time.sleep(ms / 1000)  # its cost is time on its own core, nothing the target's core shares
 
     def fed(self) -> int:
         return len(self.spine)

@@ -43,7 +43,7 @@ from mirror_train.engine.acceptance import accept_forked, target_tokens, truncat
 from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDraft
 from mirror_train.engine.config import METHODS, EngineConfig, Generation, StepStats
 from mirror_train.engine.latency import predicted_step_ms
-from mirror_train.engine.messages import Branches, Candidates, Ping, Start, Verdict
+from mirror_train.engine.messages import Branches, Candidates, Load, Ping, Start, Verdict
 from mirror_train.engine.setup import bind_head, draft_spec
 from mirror_train.engine.window import fit_costs
 from mirror_train.errors import MirrorTrainError
@@ -116,6 +116,7 @@ class MirrorEngine:
         self._pld: LocalDraft | None = None  # the prompt-lookup "draft" of method pld, in-process
         self._costs: tuple[list[float], float] | None = None  # relative cost by window length, one-token ms
         self._verify_samples: deque[tuple[int, float]] = deque(maxlen=64)  # (window length, target ms) per step
+        self.contention: float | None = None  # the target's slowdown beside the draft's work (`_measure_contention`)
 
     def start(self) -> MirrorEngine:
         """Start the draft worker (idempotent) and measure the channel's round trip."""
@@ -252,6 +253,8 @@ class MirrorEngine:
         with pinned(core, cfg.threads):
             if method != "ar" and cfg.adaptive_window and self._costs is None:
                 self._costs = self._measure_costs()
+            if method == "mirror" and self.contention is None:
+                self.contention = self._measure_contention()
             seq.channel = self._pld_channel() if method == "pld" else self.draft if method != "ar" else None
             stats = self._prefill(seq)
             yield seq.new, stats
@@ -403,8 +406,17 @@ class MirrorEngine:
     def _start_message(self, seq: _Sequence, states) -> Start:
         look_ahead = seq.method == "mirror" and self.config.look_ahead
         costs, step_ms = self._cost_fields()
+        contention = (self.contention or 0.0) if seq.method == "mirror" else 0.0
         return Start(
-            seq.ids, self.config.gamma, seq.reference, self._wire(states), look_ahead, costs, step_ms, self.forks
+            seq.ids,
+            self.config.gamma,
+            seq.reference,
+            self._wire(states),
+            look_ahead,
+            costs,
+            step_ms,
+            self.forks,
+            contention,
         )
 
     def _send(self, seq: _Sequence, msg) -> bool:
@@ -472,6 +484,41 @@ class MirrorEngine:
                 self._verify_samples.append((w, (self._now() - start) * 1e3))
                 Target.crop(cache, context)
         return fit_costs(self._verify_samples, self._widest())
+
+    @torch.inference_mode()
+    def _measure_contention(self, context: int = 128, steps: int = 10) -> float:
+        """How much slower the target's one-token step runs while the draft works (0.18: 18%), measured once: the
+        step timed alone, beside the draft's own branch rollouts (`Load`), and alone again. Devices that share
+        nothing measure ~0; two cores on one memory bus do not (docs/engine.md). 0 where nothing overlaps (the
+        draft in-process) or `price_contention` is off; a draft that fails here is the usual fault."""
+        if not self.config.price_contention or self.config.placement == "local" or self.draft is None:
+            return 0.0
+        target = self.target
+        generator = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, target.vocab_size, (1, context + 1), generator=generator).to(target.device)
+        cache = target.new_cache()
+        target.forward(ids[:, :context], cache)
+
+        def timed() -> list[float]:
+            out = []
+            for _ in range(steps):
+                start = self._now()
+                target.forward(ids[:, context:], cache)
+                out.append((self._now() - start) * 1e3)
+                Target.crop(cache, context)
+            return out
+
+        alone = timed()
+        try:
+            self.draft.send(Load(statistics.median(alone) * steps * 1.5 + 200.0))
+            time.sleep(0.1)  # the draft's dummy prefill, then its rollouts: time the target once they run
+            beside = timed()
+            self.draft.recv(self.config.timeout_s)
+        except DraftUnavailable as e:
+            self._fault(e)
+            return 0.0
+        alone += timed()
+        return max(0.0, statistics.median(beside) / statistics.median(alone) - 1.0)
 
 
 @dataclass

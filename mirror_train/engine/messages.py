@@ -9,6 +9,8 @@ name ("exit": the target's layer-ℓe states, "final": its final states) to rows
                              the target finishes (the proxy head's candidates, or the ℓe states for a head here)
     Verdict     → Window     the target's verdict: commit; the next window (a rolled-out branch or a fallback)
     Ping        → Pong       the channel's round trip
+    Load        → Pong       run the draft's own work for a while (the engine times its target beside it: how
+                             much the draft's work slows the target, `EngineConfig.price_contention`)
     Stop                     end the worker
 The worker itself answers Ready once it has built its server, and Failed (with the traceback) if anything raises.
 """
@@ -42,6 +44,8 @@ class Start:
     costs: list[float] | None = None  # the target's verification cost by window length, relative (window.py)
     step_ms: float | None = None  # the target's one-token step: what a draft's rollout time is weighed against
     forks: bool = False  # the target verifies forked windows (two chains at once: forked_window.py)
+    # how much the draft's work slows the target's step while they overlap (measured, `Load`): 0.18 = 18% slower
+    contention: float = 0.0
 
 
 @dataclass
@@ -85,6 +89,11 @@ class Ping:
 @dataclass
 class Pong:
     pass
+
+
+@dataclass
+class Load:
+    ms: float  # roll out branches on a dummy context for this long, then answer Pong
 
 
 @dataclass

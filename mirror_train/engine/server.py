@@ -33,7 +33,7 @@ from collections import deque
 import torch
 
 from mirror_train.engine.branches import fit_budget, rank_branches, rollout_line
-from mirror_train.engine.messages import Branches, Ping, Pong, Start, Verdict, Window
+from mirror_train.engine.messages import Branches, Load, Ping, Pong, Start, Verdict, Window
 from mirror_train.engine.ngram import NgramIndex
 from mirror_train.engine.node_states import StateTable, as_states, complete, join
 from mirror_train.engine.rollout import Rollout
@@ -120,6 +120,12 @@ class DraftServer:
         self.states = {slot: StateTable(self.device) for slot in self.target_slots}  # of tokens[:-1]
         self.window_states: torch.Tensor | None = None  # this step's ℓe states: the newest committed token, window
         self.look_ahead = False  # Mirror-SD: draft on past the window while the target runs its prefix
+        # How much the draft's work slows the target's step while they overlap (measured by the engine, Start), and
+        # what a step the draft has no window ready for costs the target (EMA of the fallbacks' reply times): the
+        # concurrent work's price and its saving (`_pays`)
+        self.contention = 0.0
+        self.miss_ms: float | None = None
+        self._ahead_p = 0.0  # P(the look-ahead is the branch needed), this step
         self.ahead: Rollout | None = None  # the draft's own continuation past the window (look-ahead), this step
 
     @property
@@ -137,6 +143,9 @@ class DraftServer:
             return self._verdict(msg)
         if isinstance(msg, Ping):
             return Pong(), None
+        if isinstance(msg, Load):
+            self._load(msg.ms)
+            return Pong(), None
         raise ValueError(f"unknown message {type(msg).__name__}")
 
     # --- messages --------------------------------------------------------------------------------------------
@@ -147,6 +156,7 @@ class DraftServer:
         if self.ngram is not None:
             self.ngram.reset(msg.prompt)
         self.look_ahead, self.ahead = bool(msg.look_ahead), None
+        self.contention = float(msg.contention or 0.0)
         self.forks, self.alt, self.alt_keys, self.fork = bool(msg.forks), [], [], 0
         self.tokens = list(msg.prompt)
         self.states = {slot: StateTable(self.device) for slot in self.target_slots}
@@ -199,6 +209,12 @@ class DraftServer:
         missing = self.gamma + 1 - len(ahead)  # the look-ahead's tokens still to draft for a whole next window
         if ahead and missing > 0:
             branches.append((len(spine) + len(ahead) - 1, None))
+        line = rollout_line(self.samples)
+        if branches and line is not None:  # the rollout's saving against what it slows the target's suffix by
+            hit = sum(p for _, _, p in chosen) + (self._ahead_p if ahead and missing > 0 else 0.0)
+            ms = (line[0] + line[1] * len(branches)) * depth / self.gamma
+            if not self._pays(hit * depth / self.gamma, ms if deadline is None else min(ms, deadline)):
+                chosen, branches = [], []
         features = None
         if self.conditioned:  # spine nodes (committed, window, look-ahead), then each branch's token
             blocks = [self._committed(self.cached, pending), self._window_nodes(exit_known=True)]
@@ -287,6 +303,7 @@ class DraftServer:
         ms = (time.perf_counter() - start) * 1000
         if drafted.num_forwards:
             self.serial_samples.append((drafted.num_forwards, ms))
+        self.miss_ms = ms if self.miss_ms is None else 0.9 * self.miss_ms + 0.1 * ms
         info = info | {"fallback_ms": ms, "forwards": drafted.num_forwards}
         return self._offer(drafted, info), lambda: self._keep(committed - 1)
 
@@ -449,9 +466,30 @@ class DraftServer:
             depth = max(0, min(depth, int(budget // max(per_pass, 1e-6))))
         if depth < 2 or self.backend is None or not self.window:
             return
+        if line is not None and prefix_ms is not None:  # it pays where the target keeps the whole window and the
+            # draft's next token: its saving against what it slows the target's prefix by
+            reach = math.prod(self.calibration.predict(self.window_keys))
+            self._ahead_p = reach * self.calibration.overall(lambda k: k[0] == "model")
+            ms = serial_overhead(self.serial_samples, per_pass) + depth * per_pass
+            if not self._pays(self._ahead_p, min(ms, prefix_ms)):
+                return
         window = Rollout(self.window, [], 0, [], self.window_pairs)
         self.ahead = self._serial(window, depth)
         self._keep(len(self.tokens) - self.cached - 1)  # the committed tokens it fed (as such), but the newest
+
+    def _pays(self, hit: float, overlap_ms: float) -> bool:
+        """Whether concurrent work that spares the next fallback with probability `hit` is worth slowing the target
+        for `overlap_ms` of its step: hit × the fallback's measured time ≥ contention × overlap_ms. Always, with no
+        measured contention (devices that share nothing) or no fallback measured yet."""
+        if self.contention <= 0 or self.miss_ms is None:
+            return True
+        return hit * self.miss_ms >= self.contention * overlap_ms
+
+    def _load(self, ms: float) -> None:
+        """The draft's usual concurrent work for `ms` (whole-budget branch rollouts; the engine times its target
+        beside it: `MirrorEngine._measure_contention`). The next Start resets the draft's context."""
+        if self.backend is not None:
+            self.backend.busy(ms, self.branch_budget, self.gamma)
 
     def _shape(self, ranked: list[tuple[int, int, float]], deadline_ms: float | None) -> tuple[int, int]:
         """(depth, branches) of this step's rollout: of the shapes that fit the target's suffix, the one that saves
