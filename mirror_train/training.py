@@ -70,8 +70,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     # "bf16" autocasts the forward (AMX on recent Xeons, tensor cores on GPUs; a frozen LM head is cast once);
-    # "auto": bf16 where bf16 matmuls are fast (CUDA, CPUs with AMX or AVX-512 BF16; devices.fast_bf16), else none; unset: whatever
-    # `accelerate launch` says. Losses and held-out metrics stay in fp32.
+    # "auto": bf16 where bf16 matmuls are fast (CUDA, CPUs with AMX or AVX-512 BF16; devices.fast_bf16), else none;
+    # unset: whatever `accelerate launch` says. Losses and held-out metrics stay in fp32.
     mixed_precision: str | None = "auto"
 
     def validate(self) -> None:

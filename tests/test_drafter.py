@@ -272,6 +272,11 @@ def test_keep_cache_path_keeps_exactly_the_chosen_branch(llama):
         scratch = draft(torch.cat([context, torch.tensor([branch]), next_token], dim=1))
     torch.testing.assert_close(continued.logits[0, -1], scratch.logits[0, -1], atol=1e-5, rtol=0)
     torch.testing.assert_close(continued.stream_logits[0, -1], scratch.stream_logits[0, -1], atol=1e-5, rtol=0)
+    # the draft's cache grows in place (kv_cache.py) and a kept path moves down inside its buffers, uncopied
+    from mirror_train.kv_cache import GrowingLayer
+
+    layer = cache.layers[0]
+    assert isinstance(layer, GrowingLayer) and layer.keys.data_ptr() == layer._key_buffer.data_ptr()
 
 
 def test_tree_forward_positions_follow_depth(llama):

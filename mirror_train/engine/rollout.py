@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from mirror_train.errors import MirrorTrainError
+from mirror_train.kv_cache import GrowingLayer
 from mirror_train.models.drafter import MirrorDrafterForCausalLM
 
 
@@ -195,12 +196,21 @@ def keep_cache_path(cache: DynamicCache, committed_len: int, node_indices: Seque
         raise MirrorTrainError(f"committed_len {committed_len} is outside the cache's 0..{length}")
     if any(not 0 <= i < length - committed_len for i in node_indices):
         raise MirrorTrainError(f"node indices must be in 0..{length - committed_len - 1}, got {list(node_indices)}")
-    keep = torch.cat([torch.arange(committed_len), committed_len + torch.as_tensor(node_indices, dtype=torch.long)])
+    nodes = committed_len + torch.as_tensor(list(node_indices), dtype=torch.long)
+    keep = torch.cat([torch.arange(committed_len), nodes])
     for layer in cache.layers:
         if layer.get_seq_length() == 0:
             continue
         if getattr(layer, "is_sliding", False):
             raise MirrorTrainError("keep_cache_path supports full-attention cache layers only")
+        if isinstance(layer, GrowingLayer) and layer._views_of_buffers(length):
+            # in place: the kept nodes' rows move down behind the committed ones, the view is shortened (the next
+            # update overwrites the rest); the committed rows are not copied
+            end = committed_len + len(nodes)
+            for buffer in (layer._key_buffer, layer._value_buffer):
+                buffer[..., committed_len:end, :] = buffer.index_select(-2, nodes.to(buffer.device))
+            layer.keys, layer.values = layer._key_buffer[..., :end, :], layer._value_buffer[..., :end, :]
+            continue
         index = keep.to(layer.keys.device)
         layer.keys = layer.keys.index_select(-2, index)  # (B, nkv, committed + k, d)
         layer.values = layer.values.index_select(-2, index)

@@ -43,6 +43,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from transformers.utils import ModelOutput
 
 from mirror_train.errors import MirrorTrainError
+from mirror_train.kv_cache import grow_in_place
 from mirror_train.losses import IGNORE_INDEX, speculative_streaming_loss
 from mirror_train.models.draft_surgery import build_from_target, plain_llama
 from mirror_train.models.drafter_config import MirrorDrafterConfig
@@ -153,7 +154,9 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         return self.config.num_hidden_layers - self.config.num_stream_layers
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+        """A KV cache whose full-attention layers grow in place (kv_cache.py): a draft forward would otherwise copy
+        the whole cache of every layer (transformers' `torch.cat`), memory traffic the target's core shares."""
+        return grow_in_place(DynamicCache(config=self.config))
 
     # --- the forward -----------------------------------------------------------------------------------------
     def forward(
