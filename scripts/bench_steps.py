@@ -4,7 +4,8 @@ interleaved per question, and the engine's per-step statistics (StepStats) summe
     python scripts/bench_steps.py --proxy-head outputs/proxy_head_smollm2/export \
         --draft outputs/drafter_smollm2/export --per-category 1 --max-new-tokens 128 [--variants ar,pld,sd,mirror]
 
-A variant is a method, optionally with `-noforks` (forked windows off: EngineConfig.forked_windows=False), so
+A variant is a method, optionally with suffixes that change the engine: `-noforks` (forked windows off:
+EngineConfig.forked_windows=False), `-unpriced` (the cores' contention not priced: price_contention=False), so
 one run compares with and without them. Per variant: tokens/s over the questions (prefill included, Spec-Bench's
 convention), committed tokens per step, drafted rows verified per step, the share of steps verifying a forked
 window and of those where its second chain was kept, and the mean ms a step of the target's prefix, suffix and of
@@ -25,6 +26,19 @@ from mirror_train.eval.questions import TASKS, load_questions
 from mirror_train.prompts import default_specbench_file
 from mirror_train.target import Target
 
+# variant suffix → the EngineConfig change it makes
+SUFFIXES = {"-noforks": ("forked_windows", False), "-unpriced": ("price_contention", False)}
+
+
+def _variant(name: str) -> tuple[str, tuple]:
+    """(method, the config changes as a hashable tuple) of a variant name such as `mirror-unpriced`."""
+    changes = []
+    for suffix, change in SUFFIXES.items():
+        if suffix in name:
+            name = name.replace(suffix, "")
+            changes.append(change)
+    return name, tuple(sorted(changes))
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,8 +56,8 @@ def main() -> None:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     base = EngineConfig()
     engines = {
-        forks: MirrorEngine(target, args.proxy_head, args.draft, replace(base, forked_windows=forks)).start()
-        for forks in {not v.endswith("-noforks") for v in variants}
+        changes: MirrorEngine(target, args.proxy_head, args.draft, replace(base, **dict(changes))).start()
+        for changes in {_variant(v)[1] for v in variants}
     }
     for engine in engines.values():  # warm-up: the kernels, the draft's calibration, the channel
         engine.generate(questions[0].messages(), 8, method="mirror")
@@ -51,8 +65,8 @@ def main() -> None:
     references = {}
     for q in questions:
         for v in ["ar"] + [v for v in variants if v != "ar"]:
-            method, forks = v.removesuffix("-noforks"), not v.endswith("-noforks")
-            g = engines[forks].generate(q.messages(), args.max_new_tokens, method=method)
+            method, changes = _variant(v)
+            g = engines[changes].generate(q.messages(), args.max_new_tokens, method=method)
             if method == "ar":
                 references[q.id] = g.tokens
             rows[v].append((TASKS[q.category], g, g.tokens == references[q.id]))

@@ -763,14 +763,18 @@ def test_concurrent_work_is_done_only_where_its_saving_beats_the_slowdown_it_cau
     assert server._pays(0.0, 100.0)
 
 
-def test_a_priced_contention_skips_rollouts_and_stays_lossless(target, prompts, references, monkeypatch):
-    """Told that its work slows the target 100-fold, the draft rolls out fewer branches (the steps fall back instead);
-    the output stays the target's own. The probe itself measures a sleeping synthetic draft as a small slowdown."""
+def test_a_priced_contention_skips_rollouts_and_stays_lossless(target, draft, prompts, references, monkeypatch):
+    """The probe times the target beside a real draft's rollouts in a worker (a slowdown ≥ 0; the synthetic draft,
+    whose work is a sleep, shares nothing: 0). Told that its work slows the target 100-fold, the draft rolls out
+    fewer branches (the steps fall back instead); the output stays the target's own."""
     cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="process", **ANY_CORE, **FIXED)
+    with MirrorEngine(target, None, draft, cfg) as engine:
+        assert engine.generate(prompts[2], MAX_NEW, method="mirror", stop=[]).tokens == references[2]
+        assert engine.contention is not None and engine.contention >= 0.0
     draft = SyntheticDraftConfig(acceptance=0.6, forward_ms=2.0, num_streams=0)
     with MirrorEngine(target, None, draft, cfg) as engine:
         engine.generate(prompts[0], 4, method="mirror", stop=[], reference=references[0])
-        assert engine.contention is not None and 0.0 <= engine.contention < 1.0
+        assert engine.contention == 0.0
     branches = {}
     for rho in (0.0, 100.0):
         monkeypatch.setattr(MirrorEngine, "_measure_contention", lambda self, rho=rho: rho)

@@ -490,8 +490,10 @@ class MirrorEngine:
         """How much slower the target's one-token step runs while the draft works (0.18: 18%), measured once: the
         step timed alone, beside the draft's own branch rollouts (`Load`), and alone again. Devices that share
         nothing measure ~0; two cores on one memory bus do not (docs/engine.md). 0 where nothing overlaps (the
-        draft in-process) or `price_contention` is off; a draft that fails here is the usual fault."""
-        if not self.config.price_contention or self.config.placement == "local" or self.draft is None:
+        draft in-process), for the synthetic draft (a sleep) or with `price_contention` off; a draft that fails
+        here is the usual fault."""
+        synthetic = (self.spec or {}).get("kind") == "synthetic"  # its work is a sleep: it shares nothing
+        if not self.config.price_contention or self.config.placement == "local" or self.draft is None or synthetic:
             return 0.0
         target = self.target
         generator = torch.Generator().manual_seed(1)
@@ -510,7 +512,7 @@ class MirrorEngine:
 
         alone = timed()
         try:
-            self.draft.send(Load(statistics.median(alone) * steps * 1.5 + 200.0))
+            self.draft.send(Load(statistics.median(alone) * steps * 1.5 + 200.0, self.config.gamma))
             time.sleep(0.1)  # the draft's dummy prefill, then its rollouts: time the target once they run
             beside = timed()
             self.draft.recv(self.config.timeout_s)

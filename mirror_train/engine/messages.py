@@ -94,6 +94,7 @@ class Pong:
 @dataclass
 class Load:
     ms: float  # roll out branches on a dummy context for this long, then answer Pong
+    gamma: int  # their depth (it comes before any Start)
 
 
 @dataclass

@@ -144,7 +144,7 @@ class DraftServer:
         if isinstance(msg, Ping):
             return Pong(), None
         if isinstance(msg, Load):
-            self._load(msg.ms)
+            self._load(msg.ms, int(msg.gamma))
             return Pong(), None
         raise ValueError(f"unknown message {type(msg).__name__}")
 
@@ -485,11 +485,11 @@ class DraftServer:
             return True
         return hit * self.miss_ms >= self.contention * overlap_ms
 
-    def _load(self, ms: float) -> None:
+    def _load(self, ms: float, gamma: int) -> None:
         """The draft's usual concurrent work for `ms` (whole-budget branch rollouts; the engine times its target
         beside it: `MirrorEngine._measure_contention`). The next Start resets the draft's context."""
         if self.backend is not None:
-            self.backend.busy(ms, self.branch_budget, self.gamma)
+            self.backend.busy(ms, self.branch_budget, gamma)
 
     def _shape(self, ranked: list[tuple[int, int, float]], deadline_ms: float | None) -> tuple[int, int]:
         """(depth, branches) of this step's rollout: of the shapes that fit the target's suffix, the one that saves
