@@ -67,7 +67,7 @@ class EngineConfig:
     # Mirror-SD: weigh what the draft's concurrent work (look-ahead, branch rollouts) costs the target against what
     # it saves. Two CPU cores share a memory bus: the draft's forward on one slowed the target's step on the other
     # 18% on an AMD EPYC (docs/engine.md). The slowdown is measured once, the target timed alone and beside the
-    # draft's rollouts (~1 s); work whose expected saving (P(hit) × the fallback it spares) is below the slowdown
+    # draft's rollouts (~3 s); work whose expected saving (P(hit) × the fallback it spares) is below the slowdown
     # it causes is not done. Off: every plan fills the target's time, as if the two devices did not interact.
     price_contention: bool = True
 

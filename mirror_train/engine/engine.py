@@ -486,7 +486,7 @@ class MirrorEngine:
         return fit_costs(self._verify_samples, self._widest())
 
     @torch.inference_mode()
-    def _measure_contention(self, context: int = 128, steps: int = 10) -> float:
+    def _measure_contention(self, context: int = 128, steps: int = 24) -> float:
         """How much slower the target's one-token step runs while the draft works (0.18: 18%), measured once: the
         step timed alone, beside the draft's own branch rollouts (`Load`), and alone again. Devices that share
         nothing measure ~0; two cores on one memory bus do not (docs/engine.md). 0 where nothing overlaps (the
