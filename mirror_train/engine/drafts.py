@@ -75,9 +75,9 @@ class ModelDraft:
         prompt = list(range(1, 65))
         zeros = {slot: torch.zeros(len(prompt) - 1 + branches, width) for slot, width in self.widths.items()}
         self.reset(prompt, None, {slot: z[: len(prompt) - 1] for slot, z in zeros.items()})
+        roots = [(0, prompt[i % len(prompt)]) for i in range(branches)]
         end = time.perf_counter() + ms / 1000
         while time.perf_counter() < end:
-            roots = [(0, prompt[i % len(prompt)]) for i in range(branches)]
             self.rollout(prompt[-1:], roots, gamma, {slot: z[: 1 + branches] for slot, z in zeros.items()})
             self.keep(0)
 

@@ -125,7 +125,6 @@ class DraftServer:
         # concurrent work's price and its saving (`_pays`)
         self.contention = 0.0
         self.miss_ms: float | None = None
-        self._ahead_p = 0.0  # P(the look-ahead is the branch needed), this step
         self.ahead: Rollout | None = None  # the draft's own continuation past the window (look-ahead), this step
 
     @property
@@ -211,7 +210,7 @@ class DraftServer:
             branches.append((len(spine) + len(ahead) - 1, None))
         line = rollout_line(self.samples)
         if branches and line is not None:  # the rollout's saving against what it slows the target's suffix by
-            hit = sum(p for _, _, p in chosen) + (self._ahead_p if ahead and missing > 0 else 0.0)
+            hit = sum(p for _, _, p in chosen) + (self._ahead_hit() if ahead and missing > 0 else 0.0)
             ms = (line[0] + line[1] * len(branches)) * depth / self.gamma
             if not self._pays(hit * depth / self.gamma, ms if deadline is None else min(ms, deadline)):
                 chosen, branches = [], []
@@ -466,16 +465,18 @@ class DraftServer:
             depth = max(0, min(depth, int(budget // max(per_pass, 1e-6))))
         if depth < 2 or self.backend is None or not self.window:
             return
-        if line is not None and prefix_ms is not None:  # it pays where the target keeps the whole window and the
-            # draft's next token: its saving against what it slows the target's prefix by
-            reach = math.prod(self.calibration.predict(self.window_keys))
-            self._ahead_p = reach * self.calibration.overall(lambda k: k[0] == "model")
+        if line is not None and prefix_ms is not None:  # its saving against what it slows the target's prefix by
             ms = serial_overhead(self.serial_samples, per_pass) + depth * per_pass
-            if not self._pays(self._ahead_p, min(ms, prefix_ms)):
+            if not self._pays(self._ahead_hit(), min(ms, prefix_ms)):
                 return
         window = Rollout(self.window, [], 0, [], self.window_pairs)
         self.ahead = self._serial(window, depth)
         self._keep(len(self.tokens) - self.cached - 1)  # the committed tokens it fed (as such), but the newest
+
+    def _ahead_hit(self) -> float:
+        """P(the look-ahead is the branch needed): the target keeps the whole window, then the draft's next token."""
+        reach = math.prod(self.calibration.predict(self.window_keys))
+        return reach * self.calibration.overall(lambda k: k[0] == "model")
 
     def _pays(self, hit: float, overlap_ms: float) -> bool:
         """Whether concurrent work that spares the next fallback with probability `hit` is worth slowing the target
