@@ -13,7 +13,11 @@ embeddings) untouched:
 - `onednn`: oneDNN with its weights reordered once into its own blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`), from the row count measured to win per
   layer shape (it loses at 1–2 rows): where the kernels cannot be built.
-Either computes the same function as the plain model, rounding differently in the last bits (float32 logits within
+- `fastest`: for a draft, whose rounding nothing depends on (it only proposes tokens): each layer shape takes, by
+  the rows of a call, whichever of torch's path, oneDNN and the row-exact kernel measured fastest at install. A
+  draft's tree forwards run 1 to ~50 rows, and no one path wins across them (measured: docs/engine.md, twelfth
+  session: the kernel at 1–4 rows, oneDNN from ~8 in bf16 on an AMD EPYC).
+Each computes the same function as the plain model, rounding differently in the last bits (float32 logits within
 ~1e-4). Lossless is unaffected: every method is verified by the same served model, and the engine's output is that
 model's own greedy output (tests/test_engine_testbed.py).
 
@@ -25,6 +29,9 @@ prompt against transformers' bf16 generate), though its windows are then exact o
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -32,7 +39,9 @@ from mirror_train import attention, kernels
 from mirror_train.errors import MirrorTrainError
 from mirror_train.timing import median_ms
 
-KINDS = ("auto", "exact", "onednn", "none")
+KINDS = ("auto", "exact", "onednn", "fastest", "none")
+PATHS = ("torch", "onednn", "exact")  # what one call of a `RoutedLinear` runs
+ROUTE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the row counts `fastest` measures; a call takes the route of the next one up
 
 
 def resolve(kind: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
@@ -45,6 +54,8 @@ def resolve(kind: str, device: torch.device | str, dtype: torch.dtype | None = N
     kernel = device.type == "cpu" and dtype in (None, *kernels.WEIGHT_DTYPES) and kernels.available()
     if kind == "onednn" and not onednn:
         raise MirrorTrainError(f"fast_path=onednn needs a CPU with oneDNN; the model is on {device}")
+    if kind == "fastest":  # a choice among what is there: torch's path always is
+        return kind if device.type == "cpu" else "none"
     if kind == "exact" and not kernel:
         why = (
             "a float32 or bfloat16 model on a CPU"
@@ -55,6 +66,12 @@ def resolve(kind: str, device: torch.device | str, dtype: torch.dtype | None = N
     if kind == "auto":  # bf16: torch's own rounding kept (the kernels' float32 sums change a bf16 model's greedy text)
         return "exact" if kernel and dtype in (None, torch.float32) else "onednn" if onednn else "none"
     return kind
+
+
+def for_draft(kind: str) -> str:
+    """The kind a draft is served with when the engine's setting is `kind`: "auto" means the fastest path per call,
+    since a draft's rounding changes only what it proposes, never the output."""
+    return "fastest" if kind == "auto" else kind
 
 
 def install(model: nn.Module, kind: str = "auto") -> str:
@@ -69,14 +86,29 @@ def install(model: nn.Module, kind: str = "auto") -> str:
     if kind == "none":
         return kind
     attention.use_kernel(model, kind == "exact")
-    linears = [m for m in model.modules() if type(m) in (nn.Linear, PackedLinear, ExactLinear)]
+    linears = [m for m in model.modules() if type(m) in (nn.Linear, PackedLinear, ExactLinear, RoutedLinear)]
     if not linears:
         return kind
+    for module in linears:
+        for key in ("_packed", "_packed_dtype", "min_rows", "routes"):  # an earlier install's
+            module.__dict__.pop(key, None)
     if kind == "exact":
         for module in linears:
             module.__class__ = ExactLinear
-            for key in ("_packed", "_packed_dtype", "min_rows"):  # an earlier oneDNN install's
-                module.__dict__.pop(key, None)
+        return kind
+    if kind == "fastest":
+        paths = ["torch"]
+        paths += ["onednn"] if torch.backends.mkldnn.is_available() else []
+        paths += ["exact"] if param.dtype in kernels.WEIGHT_DTYPES and kernels.available() else []
+        routes: dict[tuple, tuple[str, ...]] = {}
+        for module in linears:
+            module.__class__ = RoutedLinear
+            if "onednn" in paths:
+                module.repack()
+            shape = (tuple(module.weight.shape), module.bias is not None, module.weight.dtype)
+            if shape not in routes:
+                routes[shape] = _routes(module, paths)
+            module.routes = routes[shape]
         return kind
     crossovers: dict[tuple, float] = {}
     for module in linears:
@@ -104,8 +136,24 @@ def _crossover(linear: PackedLinear, rows=(1, 2, 4, 8, 16)) -> float:
     return float("inf")
 
 
+def _routes(linear: RoutedLinear, paths: Sequence[str]) -> tuple[str, ...]:
+    """The fastest of `paths` on `linear` at each of ROUTE_ROWS rows (medians of a few calls each)."""
+    best = []
+    with torch.inference_mode():
+        for n in ROUTE_ROWS:
+            x = torch.randn(1, n, linear.in_features, dtype=linear.weight.dtype)
+            times = {path: median_ms(lambda x=x, path=path: linear.run(x, path), repeats=7, warmup=2) for path in paths}
+            best.append(min(times, key=times.get))
+    return tuple(best)
+
+
+def routes(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each routed linear's path by ROUTE_ROWS (`fastest`), by module name: what the install measured."""
+    return {name: m.routes for name, m in model.named_modules() if isinstance(m, RoutedLinear)}
+
+
 def installed(model: nn.Module) -> bool:
-    return any(isinstance(m, (PackedLinear, ExactLinear)) for m in model.modules())
+    return any(isinstance(m, (PackedLinear, ExactLinear, RoutedLinear)) for m in model.modules())
 
 
 def _plain_copy(module: nn.Linear, memo: dict, drop: tuple[str, ...]) -> nn.Linear:
@@ -163,3 +211,32 @@ class PackedLinear(nn.Linear):
 
     def __deepcopy__(self, memo):
         return _plain_copy(self, memo, ("_packed", "_packed_dtype", "min_rows"))
+
+
+class RoutedLinear(PackedLinear):
+    """An nn.Linear whose inference calls on a CPU take, by their rows, the path `routes` names (one per ROUTE_ROWS
+    entry, the next one up; torch's beyond the last); training and other devices take torch's path."""
+
+    routes: tuple[str, ...] = ()
+
+    def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        if path == "exact":
+            return kernels.linear(x, self.weight, self.bias)
+        if path == "onednn":
+            return self.packed(x)
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if (
+            not self.routes
+            or x.device.type != "cpu"
+            or x.dtype != self.weight.dtype
+            or rows > ROUTE_ROWS[-1]
+            or (torch.is_grad_enabled() and self.weight.requires_grad)
+        ):
+            return nn.functional.linear(x, self.weight, self.bias)
+        return self.run(x, self.routes[bisect.bisect_left(ROUTE_ROWS, rows)])
+
+    def __deepcopy__(self, memo):
+        return _plain_copy(self, memo, ("_packed", "_packed_dtype", "min_rows", "routes"))

@@ -57,7 +57,7 @@ def draft_step(target: Target, path: str, context: int, dtype: torch.dtype):
     from mirror_train.models.draft_artifact import load_draft
 
     draft = load_draft(path, target).requires_grad_(False).to(dtype)
-    fastpath.install(draft, "auto")
+    fastpath.install(draft, fastpath.for_draft("auto"))
     ids = torch.randint(0, target.vocab_size, (1, context))
     cache = draft.new_cache()
     with torch.no_grad():

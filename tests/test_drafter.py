@@ -82,9 +82,54 @@ def test_streams_never_change_the_main_stream(llama):
         draft.stream_embeddings.weight.add_(torch.randn_like(draft.stream_embeddings.weight))
         perturbed = draft(x)
     assert main_only.stream_logits is None and with_streams.stream_logits.shape == (2, 9, 2, VOCAB)
-    assert torch.equal(with_streams.logits, main_only.logits)
-    assert torch.equal(perturbed.logits, main_only.logits)
+    # Main and stream rows share each matmul (one call, more rows): equal up to a GEMM's row-count rounding
+    torch.testing.assert_close(with_streams.logits, main_only.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(perturbed.logits, main_only.logits, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(perturbed.stream_logits, with_streams.stream_logits)
+
+
+def test_a_multi_stream_layer_computes_main_and_streams_as_separate_calls_would(llama):
+    """The layer runs main and stream rows through each norm, projection and MLP in one call (fewer weight reads
+    while decoding); that is the same function as running the main rows and each stream's rows on their own."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+    from mirror_train.models.multi_stream_attention import _stream_attention, causal_mask
+
+    draft = drafter(llama).eval()
+    layer = draft.layers[draft.first_stream_layer]
+    attn = layer.self_attn
+    torch.manual_seed(0)
+    B, T, S, H = 2, 5, 2, draft.config.hidden_size
+    h, hs = torch.randn(B, T, H), torch.randn(B, T, S, H)
+    position_ids = torch.arange(T)[None]
+    rope = draft.rotary_emb(h, position_ids)
+    mask = causal_mask(0, T, None, h.dtype, h.device)
+    with torch.no_grad():
+        main, streams = layer(h, hs, rope, mask)
+        # the reference: each part through its own calls
+        d, groups = attn.head_dim, attn.num_key_value_groups
+        x, xs = layer.input_layernorm(h), layer.input_layernorm(hs)
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        q, k, v = (proj(x).view(B, T, -1, d).transpose(1, 2) for proj in projections)
+        q, k = apply_rotary_pos_emb(q, k, *rope)
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        a = attn.o_proj(
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+            .transpose(1, 2)
+            .reshape(B, T, -1)
+        )
+        qs, ks, vs = (proj(xs).view(B, T * S, -1, d).transpose(1, 2) for proj in projections)
+        cos, sin = (r.repeat_interleave(S, dim=1) for r in rope)
+        qs, ks = apply_rotary_pos_emb(qs, ks, cos, sin)
+        a_s = _stream_attention(qs, repeat_kv(ks, groups), repeat_kv(vs, groups), k, v, mask, S, attn.scaling)
+        a_s = attn.o_proj(a_s.transpose(1, 2).reshape(B, T, S, -1))
+        ref_main = h + a
+        ref_main = ref_main + layer.mlp(layer.post_attention_layernorm(ref_main))
+        ref_streams = hs + a_s
+        ref_streams = ref_streams + layer.mlp(layer.post_attention_layernorm(ref_streams))
+    torch.testing.assert_close(main, ref_main, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(streams, ref_streams, atol=1e-5, rtol=1e-5)
+    assert layer(h, None, rope, mask)[1] is None
 
 
 # --- what a stream may see -----------------------------------------------------------------------------------------

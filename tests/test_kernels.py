@@ -139,6 +139,35 @@ def test_an_exact_model_is_the_same_function_row_exact_and_a_copy_is_plain():
         assert x.grad is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_draft_served_fastest_routes_each_call_by_its_rows_and_computes_the_same_function(dtype):
+    """`fastest` (a draft's `auto`): each linear shape takes, by rows, the path measured fastest among those this
+    machine has; every route computes the plain model's function, training and copies take torch's path."""
+    from mirror_train.random_models import tiny_model
+
+    model = tiny_model().to(dtype)
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(0))  # past the last route too
+    with torch.inference_mode():
+        plain = [model(ids[:, :n]).logits for n in (1, 3, 9, 70)]
+        assert fastpath.install(model, fastpath.for_draft("auto")) == "fastest"
+        fast = [model(ids[:, :n]).logits for n in (1, 3, 9, 70)]
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for a, b in zip(fast, plain):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    available = {"torch", "onednn" * torch.backends.mkldnn.is_available(), "exact" * kernels.available()}
+    routes = fastpath.routes(model)
+    assert routes and all(len(r) == len(fastpath.ROUTE_ROWS) and set(r) <= available for r in routes.values())
+    assert not fastpath.installed(copy.deepcopy(model))
+    with torch.enable_grad():
+        linear = model.lm_head
+        linear.weight.requires_grad_(True)
+        x = torch.randn(2, model.config.hidden_size, dtype=dtype, requires_grad=True)
+        linear(x).sum().backward()
+        assert x.grad is not None
+    if kernels.available():  # another kind installs over it
+        assert fastpath.install(model, "exact") == "exact" and not fastpath.routes(model)
+
+
 def test_the_fast_path_is_chosen_by_device_and_dtype():
     expected = "exact" if kernels.available() else "onednn" if torch.backends.mkldnn.is_available() else "none"
     assert fastpath.resolve("auto", "cpu", torch.float32) == expected
@@ -148,6 +177,9 @@ def test_the_fast_path_is_chosen_by_device_and_dtype():
         fastpath.resolve("exact", "cpu", torch.float16)
     with pytest.raises(MirrorTrainError, match="fast_path must be one of"):
         fastpath.resolve("turbo", "cpu")
+    assert fastpath.resolve("fastest", "cpu", torch.bfloat16) == "fastest"  # a draft's: any rounding will do
+    assert fastpath.resolve("fastest", "meta") == "none"
+    assert fastpath.for_draft("auto") == "fastest" and fastpath.for_draft("onednn") == "onednn"
 
 
 def test_without_a_compiler_the_kernel_is_unavailable_and_auto_falls_back(monkeypatch, tmp_path):

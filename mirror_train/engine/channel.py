@@ -50,7 +50,7 @@ def build_server(spec: dict):
         backend = SyntheticDraft(SyntheticDraftConfig(**spec["config"]), spec["vocab_size"])
     else:
         model = AutoModelForCausalLM.from_pretrained(spec["path"], dtype=dtype).to(spec.get("device", "cpu")).eval()
-        fastpath.install(model.requires_grad_(False), spec.get("fast_path", "none"))
+        fastpath.install(model.requires_grad_(False), fastpath.for_draft(spec.get("fast_path", "none")))
         backend = ModelDraft(model, use_streams=spec.get("use_streams", True))
     head = None
     if spec.get("head"):  # the proxy head runs here: rebuild it from its bundle (engine.py, `_head_bundle`)

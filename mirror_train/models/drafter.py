@@ -50,6 +50,8 @@ from mirror_train.models.drafter_config import MirrorDrafterConfig
 from mirror_train.models.multi_stream_attention import (
     MultiStreamDecoderLayer,
     causal_mask,
+    joint_rows,
+    split_rows,
     tree_mask,
 )
 
@@ -226,8 +228,10 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
                 raise MirrorTrainError("labels need the logits of every position: do not give logits_index")
             h = h[:, logits_index]  # (B, K, H)
             streams = None if streams is None else streams[:, logits_index]
-        logits = self.lm_head(self.norm(h))  # (B, T or K, V_draft)
-        stream_logits = None if streams is None else self.lm_head(self.norm(streams))  # (B, T, S, V_draft)
+        # one head call for main and stream rows: the head is most of a decoding step's weight reads
+        logits, stream_logits = split_rows(
+            self.lm_head(self.norm(joint_rows(h, streams))), h.shape[1], 0 if streams is None else streams.shape[2]
+        )  # (B, T or K, V_draft), (B, T or K, S, V_draft) or None
         loss = None
         if labels is not None:
             loss = speculative_streaming_loss(

@@ -121,44 +121,64 @@ def stream_attention_mask(main_mask: torch.Tensor, num_streams: int) -> torch.Te
 
 def multi_stream_attention(
     attn,
-    x: torch.Tensor,
-    xs: torch.Tensor | None,
+    rows: torch.Tensor,
+    num_streams: int,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     main_mask: torch.Tensor,
     cache=None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> torch.Tensor:
     """Self-attention of the main stream and its lookahead streams with the weights of a LlamaAttention `attn`.
 
-    x (B, T, H) normed main states; xs (B, T, S, H) normed stream states or None; position_embeddings the (cos, sin)
-    of the main positions, (B, T, d); main_mask (B, 1, T, L+T) additive over [cache ; new]. Appends the main K/V
-    (only) to `cache` at `attn.layer_idx`. Returns the attention outputs after o_proj: (B, T, H) and (B, T, S, H)
-    or None.
+    rows (B, T + T·S, H): the normed main states, then the S = num_streams stream states t-major (`joint_rows`);
+    position_embeddings the (cos, sin) of the main positions, (B, T, d); main_mask (B, 1, T, L+T) additive over
+    [cache ; new]. Appends the main K/V (only) to `cache` at `attn.layer_idx`. Returns the attention outputs after
+    o_proj in the same (B, T + T·S, H) layout.
+
+    The main and stream rows go through each projection in one call: a decoding step's few rows are bound by
+    reading the weights, so one call costs about what the main rows alone cost (docs/engine.md, twelfth session).
     """
-    B, T, _ = x.shape
+    S = num_streams
+    B, T = rows.shape[0], rows.shape[1] // (1 + S)
     d = attn.head_dim
     cos, sin = position_embeddings
-    q = attn.q_proj(x).view(B, T, -1, d).transpose(1, 2)  # (B, nh, T, d)
-    k = attn.k_proj(x).view(B, T, -1, d).transpose(1, 2)  # (B, nkv, T, d)
-    v = attn.v_proj(x).view(B, T, -1, d).transpose(1, 2)
+    q_all, k_all, v_all = attn.q_proj(rows), attn.k_proj(rows), attn.v_proj(rows)
+    q = q_all[:, :T].reshape(B, T, -1, d).transpose(1, 2)  # (B, nh, T, d)
+    k = k_all[:, :T].reshape(B, T, -1, d).transpose(1, 2)  # (B, nkv, T, d)
+    v = v_all[:, :T].reshape(B, T, -1, d).transpose(1, 2)
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     if cache is not None:
         k, v = cache.update(k, v, attn.layer_idx)  # (B, nkv, L+T, d)
     groups = attn.num_key_value_groups
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (B, nh, L+T, d)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=main_mask, scale=attn.scaling)  # (B, nh, T, d)
-    out = attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, H)
-    if xs is None:
-        return out, None
+    out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh·d)
+    if not S:
+        return attn.o_proj(out)
 
-    S = xs.shape[2]
-    qs = attn.q_proj(xs).view(B, T * S, -1, d).transpose(1, 2)  # (B, nh, T·S, d), t-major
-    ks = attn.k_proj(xs).view(B, T * S, -1, d).transpose(1, 2)  # (B, nkv, T·S, d)
-    vs = attn.v_proj(xs).view(B, T * S, -1, d).transpose(1, 2)
+    qs = q_all[:, T:].reshape(B, T * S, -1, d).transpose(1, 2)  # (B, nh, T·S, d), t-major
+    ks = k_all[:, T:].reshape(B, T * S, -1, d).transpose(1, 2)  # (B, nkv, T·S, d)
+    vs = v_all[:, T:].reshape(B, T * S, -1, d).transpose(1, 2)
     # Each stream token takes its anchor's rotation (see the module docstring).
     qs, ks = apply_rotary_pos_emb(qs, ks, cos.repeat_interleave(S, dim=1), sin.repeat_interleave(S, dim=1))
     out_s = _stream_attention(qs, repeat_kv(ks, groups), repeat_kv(vs, groups), k, v, main_mask, S, attn.scaling)
-    out_s = attn.o_proj(out_s.transpose(1, 2).reshape(B, T, S, -1))  # (B, T, S, H)
-    return out, out_s
+    return attn.o_proj(torch.cat([out, out_s.transpose(1, 2).reshape(B, T * S, -1)], dim=1))  # (B, T + T·S, H)
+
+
+def joint_rows(x: torch.Tensor, xs: torch.Tensor | None) -> torch.Tensor:
+    """Main rows (B, T, H) and stream rows (B, T, S, H) as one (B, T + T·S, H) block, main first, streams t-major:
+    one call of a linear layer, an MLP or a norm computes both (they are row-wise)."""
+    if xs is None:
+        return x
+    B, T, S, H = xs.shape
+    return torch.cat([x, xs.reshape(B, T * S, H)], dim=1)
+
+
+def split_rows(rows: torch.Tensor, T: int, S: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The inverse of `joint_rows`: (B, T + T·S, ...) → (B, T, ...) and (B, T, S, ...) (None when S = 0)."""
+    if not S:
+        return rows, None
+    B = rows.shape[0]
+    return rows[:, :T], rows[:, T:].reshape(B, T, S, *rows.shape[2:])
 
 
 def _stream_attention(
@@ -202,14 +222,12 @@ class MultiStreamDecoderLayer(LlamaDecoderLayer):
 
     def forward(self, hidden, streams, position_embeddings, attention_mask, cache=None):
         """hidden (B, T, H), streams (B, T, S, H) or None → the same two after this layer; the other arguments
-        as `multi_stream_attention` takes them."""
-        xs = None if streams is None else self.input_layernorm(streams)
-        a, a_s = multi_stream_attention(
-            self.self_attn, self.input_layernorm(hidden), xs, position_embeddings, attention_mask, cache
+        as `multi_stream_attention` takes them. Main and stream rows share every norm, projection and MLP call."""
+        T, S = hidden.shape[1], 0 if streams is None else streams.shape[2]
+        rows = joint_rows(hidden, streams)  # (B, T + T·S, H)
+        attended = multi_stream_attention(
+            self.self_attn, self.input_layernorm(rows), S, position_embeddings, attention_mask, cache
         )
-        hidden = hidden + a
-        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
-        if streams is not None:
-            streams = streams + a_s
-            streams = streams + self.mlp(self.post_attention_layernorm(streams))
-        return hidden, streams
+        rows = rows + attended
+        rows = rows + self.mlp(self.post_attention_layernorm(rows))
+        return split_rows(rows, T, S)
