@@ -14,6 +14,11 @@ unchanged. The cost is k small attention calls instead of one (measured in docs/
 With the fast path's exact kernels (fastpath.py, float32 on a CPU) the model switches to `KERNEL_NAME`: every
 plain causal window over a cache, one-token steps included, runs kernels.attention, one call a layer for all its
 rows, each row computed from its own query and keys alone (the same property at a fraction of the calls).
+
+A draft served `fastest` (fastpath.py) switches to `DRAFT_NAME`: no exactness asked, only speed. On a CPU, torch's
+SDPA over a bf16 cache is slow for the few query rows of a draft's tree forward (measured on an AMD EPYC, 9 heads,
+one row: 0.42 ms over 300 keys and 0.99 ms over 1,000, against 0.13 and 0.11 ms as two grouped matmuls and a float32
+softmax, docs/engine.md, twelfth session), so up to `SMALL_ROWS` half-precision rows take `grouped_attention`.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from mirror_train import kernels
 
 NAME = "mirror_row_invariant_sdpa"
 KERNEL_NAME = "mirror_row_exact_kernel"
+DRAFT_NAME = "mirror_draft_attention"
+SMALL_ROWS = 16  # query rows up to which a half-precision CPU call takes grouped_attention (measured: module doc)
 MAX_ROWS = 64  # windows longer than this are not verification windows; they take the fused kernel
 
 
@@ -175,4 +182,68 @@ def gemm_row_invariant(model, widths=range(2, 9)) -> bool:
             for k in widths:
                 if not torch.equal(linear(x[:k]), one[:k]):
                     return False
+    return True
+
+
+def grouped_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Attention as two matmuls per key head and a float32 softmax: query (B, H, M, D), key and value (B, KVH, L, D)
+    with H a multiple of KVH (query head h reads key head h // (H / KVH), as transformers' repeat_kv pairs them),
+    mask additive (B or 1, 1, M, L) or None. Returns (B, H, M, D) in the query's dtype."""
+    B, H, M, D = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    grouped = query.reshape(B, kv_heads, (H // kv_heads) * M, D)  # a key head's query heads, one after another
+    scores = (grouped @ key.transpose(-1, -2)).float().view(B, H, M, length) * scale
+    if mask is not None:
+        scores = scores + mask
+    weights = scores.softmax(-1).to(value.dtype).view(B, kv_heads, -1, length)
+    return (weights @ value).view(B, H, M, D)
+
+
+def _small_rows(query: torch.Tensor, dropout: float) -> bool:
+    return (
+        query.device.type == "cpu"
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and query.shape[2] <= SMALL_ROWS
+        and not dropout
+        and not torch.is_grad_enabled()
+    )
+
+
+def draft_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """A transformers attention function (`DRAFT_NAME`): `grouped_attention` for a few half-precision rows on a
+    CPU at inference, transformers' SDPA otherwise."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    extra = any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "sliding_window", "s_aux"))
+    if extra or not _small_rows(query, kwargs.get("dropout", 0.0)) or query.shape[1] % key.shape[1]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+    scale = kwargs.get("scaling")
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    return grouped_attention(query, key, value, attention_mask, scale).transpose(1, 2).contiguous(), None
+
+
+def attend(config, query, key, value, mask, scale) -> torch.Tensor:
+    """Attention as a model whose config names its implementation computes it outside transformers' layers (the
+    draft's multi-stream layer): query (B, H, M, D), key and value (B, KVH, L, D), additive mask → (B, H, M, D)."""
+    if getattr(config, "_attn_implementation", None) == DRAFT_NAME and _small_rows(query, 0.0):
+        return grouped_attention(query, key, value, mask, scale)
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+
+
+def use_draft_attention(model) -> bool:
+    """Switch a model on transformers' SDPA to `draft_attention` (a draft served `fastest`); False when it uses
+    another attention (left alone)."""
+    from transformers import AttentionInterface
+
+    config = model.config
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", DRAFT_NAME):
+        return False
+    AttentionInterface.register(DRAFT_NAME, draft_attention)
+    config._attn_implementation = DRAFT_NAME
     return True

@@ -97,6 +97,7 @@ def install(model: nn.Module, kind: str = "auto") -> str:
             module.__class__ = ExactLinear
         return kind
     if kind == "fastest":
+        attention.use_draft_attention(model)
         paths = ["torch"]
         paths += ["onednn"] if torch.backends.mkldnn.is_available() else []
         paths += ["exact"] if param.dtype in kernels.WEIGHT_DTYPES and kernels.available() else []

@@ -168,6 +168,53 @@ def test_a_draft_served_fastest_routes_each_call_by_its_rows_and_computes_the_sa
         assert fastpath.install(model, "exact") == "exact" and not fastpath.routes(model)
 
 
+@pytest.mark.parametrize("rows,masked", [(1, False), (5, True), (16, True)])
+def test_grouped_attention_is_sdpa_over_repeated_key_heads(rows, masked):
+    """A fastest-served draft's attention for a few half-precision rows (attention.grouped_attention) computes
+    what SDPA over transformers' repeated key heads does."""
+    import torch.nn.functional as F
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    from mirror_train.attention import grouped_attention
+
+    g = torch.Generator().manual_seed(rows)
+    q, k, v = (
+        torch.randn(2, 6, rows, 8, generator=g),
+        torch.randn(2, 2, 20, 8, generator=g),
+        torch.randn(2, 2, 20, 8, generator=g),
+    )
+    mask = torch.randn(2, 1, rows, 20, generator=g).clamp(max=0) * 5 if masked else None
+    reference = F.scaled_dot_product_attention(q, repeat_kv(k, 3), repeat_kv(v, 3), attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask, 0.3), reference, atol=1e-5, rtol=1e-5)
+    half = grouped_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None if mask is None else mask.bfloat16(), 0.3)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.float(), reference, atol=5e-2, rtol=5e-2)
+
+
+def test_a_fastest_served_bf16_draft_proposes_what_the_plain_draft_does():
+    """The draft's served path (routed linears, grouped attention in its plain and multi-stream layers) is the
+    plain bf16 draft's function: the same greedy tokens and close logits, main and streams, over a tree."""
+    from mirror_train.attention import DRAFT_NAME
+    from mirror_train.models.drafter import MirrorDrafterForCausalLM
+    from mirror_train.random_models import tiny_model
+
+    target = tiny_model("llama", layers=4)
+    draft = MirrorDrafterForCausalLM.from_target(target, 3, num_streams=2, num_stream_layers=1).eval()
+    draft.config._attn_implementation = "sdpa"
+    draft = draft.to(torch.bfloat16)
+    served = copy.deepcopy(draft)
+    assert fastpath.install(served, "fastest") == "fastest" and served.config._attn_implementation == DRAFT_NAME
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    outs = []
+    with torch.inference_mode():
+        for model in (draft, served):
+            cache = model.new_cache()
+            model(ids, cache=cache, num_streams=0)
+            outs.append(model.tree_forward([5, 6, 7, 8], [-1, 0, 0, 1], cache))
+    torch.testing.assert_close(outs[1].logits.float(), outs[0].logits.float(), atol=0.1, rtol=0.05)
+    torch.testing.assert_close(outs[1].stream_logits.float(), outs[0].stream_logits.float(), atol=0.1, rtol=0.05)
+
+
 def test_the_fast_path_is_chosen_by_device_and_dtype():
     expected = "exact" if kernels.available() else "onednn" if torch.backends.mkldnn.is_available() else "none"
     assert fastpath.resolve("auto", "cpu", torch.float32) == expected

@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, apply_rotary_pos_emb, repeat_kv
 
+from mirror_train.attention import attend
 from mirror_train.errors import MirrorTrainError
 
 
@@ -148,12 +148,12 @@ def multi_stream_attention(
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     if cache is not None:
         k, v = cache.update(k, v, attn.layer_idx)  # (B, nkv, L+T, d)
-    groups = attn.num_key_value_groups
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (B, nh, L+T, d)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=main_mask, scale=attn.scaling)  # (B, nh, T, d)
+    out = attend(attn.config, q, k, v, main_mask, attn.scaling)  # (B, nh, T, d)
     out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh·d)
     if not S:
         return attn.o_proj(out)
+    groups = attn.num_key_value_groups
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (B, nh, L+T, d): what the streams attend to
 
     qs = q_all[:, T:].reshape(B, T * S, -1, d).transpose(1, 2)  # (B, nh, T·S, d), t-major
     ks = k_all[:, T:].reshape(B, T * S, -1, d).transpose(1, 2)  # (B, nkv, T·S, d)
