@@ -138,7 +138,7 @@ def use_kernel(model, on: bool) -> bool:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    config = model.config
+    config = getattr(model, "config", None)  # a module without one (a proxy head) has no attention to switch
     if getattr(config, "_attn_implementation", None) not in (NAME, KERNEL_NAME):
         return False
     AttentionInterface.register(KERNEL_NAME, row_exact_kernel)
@@ -152,7 +152,7 @@ def install(model) -> bool:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    config = model.config
+    config = getattr(model, "config", None)  # a module without one (a proxy head) has no attention to switch
     if getattr(config, "_attn_implementation", None) == KERNEL_NAME:
         return True
     if getattr(config, "_attn_implementation", None) not in ("sdpa", NAME):
@@ -241,7 +241,7 @@ def use_draft_attention(model) -> bool:
     another attention (left alone)."""
     from transformers import AttentionInterface
 
-    config = model.config
+    config = getattr(model, "config", None)  # a module without one (a proxy head) has no attention to switch
     if getattr(config, "_attn_implementation", None) not in ("sdpa", DRAFT_NAME):
         return False
     AttentionInterface.register(DRAFT_NAME, draft_attention)

@@ -176,3 +176,23 @@ def test_push_cli_dry_run(target, tmp_path, capsys, monkeypatch):
     assert "model.safetensors" in out and "nothing uploaded" in out
     assert train_main(["push", str(tmp_path / "h"), "--repo-id", "me/head"]) == 2
     assert "HF_TOKEN" in capsys.readouterr().err
+
+
+def test_a_head_served_on_the_drafts_side_routes_its_linears_and_scores_the_same(target):
+    """On the draft's side the head is served like the draft (`fastpath.for_draft`, channel.build_server): its
+    own layers and the LM head it holds apart both take the routed path, and it scores what the plain head does."""
+    import copy
+
+    from mirror_train import fastpath
+    from mirror_train.models.proxy_head import HeadEnd
+
+    cfg = ProxyHeadConfig(kind="mlp", exit_layer=2, mlp_hidden=16)
+    end, state = HeadEnd.of(ProxyHead(cfg, target.hidden_size).bind(target))
+    head = end.head(cfg, state, None)
+    served = copy.deepcopy(head)
+    for module in (served, served.lm_head):
+        fastpath.install(module, fastpath.for_draft("auto"))
+    assert fastpath.routes(served) and fastpath.routes(served.lm_head)
+    hidden = torch.randn(1, 5, target.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(served(hidden), head(hidden), atol=1e-4, rtol=1e-4)
