@@ -236,14 +236,14 @@ def attend(config, query, key, value, mask, scale) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
 
 
-def use_draft_attention(model) -> bool:
-    """Switch a model on transformers' SDPA to `draft_attention` (a draft served `fastest`); False when it uses
-    another attention (left alone)."""
+def use_draft_attention(model, on: bool = True) -> bool:
+    """Switch a model on transformers' SDPA to `draft_attention` (a draft served `fastest`), or back (on=False);
+    False when it uses another attention (left alone)."""
     from transformers import AttentionInterface
 
     config = getattr(model, "config", None)  # a module without one (a proxy head) has no attention to switch
     if getattr(config, "_attn_implementation", None) not in ("sdpa", DRAFT_NAME):
         return False
     AttentionInterface.register(DRAFT_NAME, draft_attention)
-    config._attn_implementation = DRAFT_NAME
+    config._attn_implementation = DRAFT_NAME if on else "sdpa"
     return True

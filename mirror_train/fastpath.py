@@ -81,11 +81,15 @@ def install(model: nn.Module, kind: str = "auto") -> str:
     onednn: which path is faster depends on the rows of a call and on the machine (measured on an AMX Xeon: oneDNN
     24% slower for one row, 10–25% faster from 4 rows on, docs/engine.md), so each layer takes the prepacked path
     from the row count measured here to win for that layer's shape, and torch's own path below it."""
-    param = next(model.parameters())
+    param = next(model.parameters(), None)
+    if param is None:  # nothing to swap (a logit-lens proxy head)
+        resolve(kind, "cpu")
+        return "none"
     kind = resolve(kind, param.device, param.dtype)
     if kind == "none":
         return kind
     attention.use_kernel(model, kind == "exact")
+    attention.use_draft_attention(model, kind == "fastest")
     linears = [m for m in model.modules() if type(m) in (nn.Linear, PackedLinear, ExactLinear, RoutedLinear)]
     if not linears:
         return kind
@@ -97,7 +101,6 @@ def install(model: nn.Module, kind: str = "auto") -> str:
             module.__class__ = ExactLinear
         return kind
     if kind == "fastest":
-        attention.use_draft_attention(model)
         paths = ["torch"]
         paths += ["onednn"] if torch.backends.mkldnn.is_available() else []
         paths += ["exact"] if param.dtype in kernels.WEIGHT_DTYPES and kernels.available() else []
@@ -106,9 +109,10 @@ def install(model: nn.Module, kind: str = "auto") -> str:
             module.__class__ = RoutedLinear
             if "onednn" in paths:
                 module.repack()
-            shape = (tuple(module.weight.shape), module.bias is not None, module.weight.dtype)
+            contiguous = module.weight.is_contiguous()  # the kernel reads (N, K) rows in place
+            shape = (tuple(module.weight.shape), module.bias is not None, module.weight.dtype, contiguous)
             if shape not in routes:
-                routes[shape] = _routes(module, paths)
+                routes[shape] = _routes(module, [p for p in paths if p != "exact" or contiguous])
             module.routes = routes[shape]
         return kind
     crossovers: dict[tuple, float] = {}

@@ -5,13 +5,14 @@ interleaved per question, and the engine's per-step statistics (StepStats) summe
         --draft outputs/drafter_smollm2/export --per-category 1 --max-new-tokens 128 [--variants ar,pld,sd,mirror]
 
 A variant is a method, optionally with suffixes that change the engine: `-noforks` (forked windows off:
-EngineConfig.forked_windows=False), `-unpriced` (the cores' contention not priced: price_contention=False), so
-one run compares with and without them. Per variant: tokens/s over the questions (prefill included, Spec-Bench's
-convention), committed tokens per step, drafted rows verified per step, the share of steps verifying a forked
-window and of those where its second chain was kept, and the mean ms a step of the target's prefix, suffix and of
-the wait for the next window; the share of steps whose next window is a copy (source ngram) and that reused a
-branch rolled out during the suffix, and the draft's serial rollout ms a step. Every answer is checked against
-ar's, token for token. Prints a Markdown table.
+EngineConfig.forked_windows=False), `-unpriced` (the cores' contention not priced: price_contention=False),
+`-draftonednn` (the draft served on oneDNN's linears and torch's SDPA, as before the twelfth session:
+draft_fast_path=onednn), so one run compares with and without them. Per variant: tokens/s over the questions
+(prefill included, Spec-Bench's convention), committed tokens per step, drafted rows verified per step, the share of
+steps verifying a forked window and of those where its second chain was kept, and the mean ms a step of the target's
+prefix, suffix and of the wait for the next window; the share of steps whose next window is a copy (source ngram)
+and that reused a branch rolled out during the suffix, and the draft's serial rollout ms a step. Every answer is
+checked against ar's, token for token. Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ from mirror_train.prompts import default_specbench_file
 from mirror_train.target import Target
 
 # variant suffix → the EngineConfig change it makes
-SUFFIXES = {"-noforks": ("forked_windows", False), "-unpriced": ("price_contention", False)}
+SUFFIXES = {
+    "-noforks": ("forked_windows", False),
+    "-unpriced": ("price_contention", False),
+    "-draftonednn": ("draft_fast_path", "onednn"),  # the draft served as before the twelfth session (bf16 CPUs)
+}
 
 
 def _variant(name: str) -> tuple[str, tuple]:

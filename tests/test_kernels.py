@@ -227,6 +227,11 @@ def test_the_fast_path_is_chosen_by_device_and_dtype():
     assert fastpath.resolve("fastest", "cpu", torch.bfloat16) == "fastest"  # a draft's: any rounding will do
     assert fastpath.resolve("fastest", "meta") == "none"
     assert fastpath.for_draft("auto") == "fastest" and fastpath.for_draft("onednn") == "onednn"
+    from mirror_train.engine import EngineConfig
+
+    EngineConfig(placement="local", draft_fast_path="fastest").validate()
+    with pytest.raises(MirrorTrainError, match="fast_path must be one of"):
+        EngineConfig(placement="local", draft_fast_path="turbo").validate()
 
 
 def test_without_a_compiler_the_kernel_is_unavailable_and_auto_falls_back(monkeypatch, tmp_path):

@@ -50,7 +50,7 @@ def build_server(spec: dict):
         backend = SyntheticDraft(SyntheticDraftConfig(**spec["config"]), spec["vocab_size"])
     else:
         model = AutoModelForCausalLM.from_pretrained(spec["path"], dtype=dtype).to(spec.get("device", "cpu")).eval()
-        fastpath.install(model.requires_grad_(False), fastpath.for_draft(spec.get("fast_path", "none")))
+        fastpath.install(model.requires_grad_(False), spec.get("fast_path", "none"))
         backend = ModelDraft(model, use_streams=spec.get("use_streams", True))
     head = None
     if spec.get("head"):  # the proxy head runs here: rebuild it from its bundle (engine.py, `_head_bundle`)
@@ -58,7 +58,7 @@ def build_server(spec: dict):
         head = bundle["end"].to(dtype).head(bundle["cfg"], bundle["state"], bundle["vocab_ids"]).to(dtype)
         # like the draft, it only proposes: the fastest path per call (bf16, 5 rows here: 4.1 → 1.7 ms, docs/engine.md)
         for module in (head.requires_grad_(False), head.lm_head):  # its LM head is held apart from its modules
-            fastpath.install(module, fastpath.for_draft(spec.get("fast_path", "none")))
+            fastpath.install(module, spec.get("fast_path", "none"))
     return DraftServer(
         backend,
         spec.get("branch_budget", 1),

@@ -61,6 +61,10 @@ class EngineConfig:
     # oneDNN-prepacked linears on a CPU, else torch's path; installed on the target in place, so every method (the
     # transformers peers too) runs the same module.
     fast_path: Literal["auto", "exact", "onednn", "none"] = "auto"
+    # The draft's forward, and a proxy head's on the draft's side: "auto" = "fastest" (each linear shape by the rows
+    # of a call on whichever of torch, oneDNN and the row-exact kernel measured fastest, the attention of a few
+    # half-precision rows as grouped matmuls): they only propose, so their rounding never changes the output.
+    draft_fast_path: Literal["auto", "fastest", "exact", "onednn", "none"] = "auto"
     # Verify the draft's chain and a copied one together in one pass where both promise tokens (a forked window:
     # forked_window.py), on the row-exact kernels, where a row costs ~4% of a step and every row is exact.
     forked_windows: bool = True
@@ -101,6 +105,7 @@ class EngineConfig:
                 raise MirrorTrainError(f"{name}={core} is not a core this process may use ({sorted(cores)})")
         resolve_dtype(self.draft_dtype, draft)
         fastpath.resolve(self.fast_path, draft)
+        fastpath.resolve(fastpath.for_draft(self.draft_fast_path), draft)
 
     def devices(self) -> tuple[torch.device, torch.device]:
         """(the target's device, the draft's), "auto" resolved and both checked (a device that is not there is a

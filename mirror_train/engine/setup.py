@@ -12,6 +12,7 @@ from dataclasses import asdict
 import torch
 from transformers import AutoConfig
 
+from mirror_train import fastpath
 from mirror_train.devices import draft_device, resolve_dtype
 from mirror_train.engine.config import EngineConfig
 from mirror_train.engine.drafts import SyntheticDraftConfig
@@ -58,7 +59,7 @@ def draft_spec(target: Target, cfg: EngineConfig, draft, head: ProxyHead, workdi
         "dtype": dtype,
         "ngram_tokens": cfg.ngram_tokens,
         "adaptive_window": cfg.adaptive_window,
-        "fast_path": cfg.fast_path,
+        "fast_path": fastpath.for_draft(cfg.draft_fast_path),
     }
     if cfg.head_placement == "draft":
         common["head"] = head_bundle(head, workdir)
