@@ -40,7 +40,6 @@ from mirror_train.errors import MirrorTrainError
 from mirror_train.timing import median_ms
 
 KINDS = ("auto", "exact", "onednn", "fastest", "none")
-PATHS = ("torch", "onednn", "exact")  # what one call of a `RoutedLinear` runs
 ROUTE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the row counts `fastest` measures; a call takes the route of the next one up
 
 
