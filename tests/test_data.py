@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,9 +10,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from mirror_train.data.features import FeatureCache, FeatureCacheConfig, TokenSequence, build_feature_cache
 from mirror_train.data.selfdistill import SelfDistillConfig, generate_selfdistill, load_selfdistill
+from mirror_train.errors import MirrorTrainError
 from tests.test_recipes import write_prompts
 
 
@@ -29,20 +32,63 @@ def test_self_distillation_stops_at_its_time_box_and_a_rerun_adds_nothing(tiny_t
     assert len(whole) == 12 and set(rows["id"]) <= set(whole["id"])
 
 
-def test_a_time_boxed_cache_keeps_a_sample_that_fits_and_keeps_it_on_resume(tiny_target, tmp_path):
+def test_a_time_boxed_cache_keeps_what_its_minutes_finished_and_a_resume_finishes_it(tiny_target, tmp_path):
+    """Cached in a seeded order until the box is spent, then cut to the finished batches: each kept sequence's
+    features are its own, a killed run resumes where it stopped, and a finished cache is final."""
     rng = np.random.default_rng(0)
-    seqs = [TokenSequence(rng.integers(0, 100, 40).tolist(), 30) for _ in range(200)]  # 7,800 positions
-    cfg = FeatureCacheConfig(exit_layers=[2], top_k=4, max_tokens_per_batch=256, max_minutes=1e-4)  # 6 ms
+    seqs = [TokenSequence(rng.integers(0, 100, int(rng.integers(8, 60))).tolist(), 5) for _ in range(300)]
+    cfg = FeatureCacheConfig(exit_layers=[2], top_k=4, max_tokens_per_batch=256, max_minutes=1e-9)  # one batch
     out = build_feature_cache(tiny_target, seqs, tmp_path / "cache", cfg, progress=False)
-    kept = json.loads((out / "selection.json").read_text())["kept"]
-    assert 0 < len(kept) < len(seqs) and kept == sorted(kept)
+    meta = json.loads((out / "meta.json").read_text())
     cache = FeatureCache(out, 2)
-    assert cache.num_sequences == len(kept) and len(cache) == 39 * len(kept)
-    first = kept[0]
-    assert cache.token_ids[:39].tolist() == seqs[first].ids[:39]  # the kept sequences, in their order
-    cfg.max_minutes = 10.0  # a re-run on a faster day caches the same sequences, and finds them done
-    assert build_feature_cache(tiny_target, seqs, tmp_path / "cache", cfg, progress=False) == out
-    assert json.loads((out / "selection.json").read_text())["kept"] == kept
+    assert 0 < cache.num_sequences < len(seqs) and meta["planned"]["sequences"] == len(seqs)
+    assert len(cache) == cache.offsets[-1] == cache.hidden.shape[0] == cache.token_ids.shape[0]
+    by_ids = {tuple(s.ids[:-1]): s for s in seqs}
+    for s in range(cache.num_sequences):  # every kept row is a whole input sequence, answer marks included
+        lo, hi = cache.offsets[s], cache.offsets[s + 1]
+        seq = by_ids[tuple(cache.token_ids[lo:hi].tolist())]
+        assert cache.is_answer[lo:hi].sum() == len(seq.ids) - seq.answer_start
+    cfg.max_minutes = 10.0  # finished caches are final: a re-run with a larger box finds it done
+    assert build_feature_cache(tiny_target, seqs, out, cfg, progress=False) == out
+    assert FeatureCache(out, 2).num_sequences == cache.num_sequences
+
+
+def test_a_time_boxed_cache_killed_mid_way_resumes_and_caches_the_rest(tiny_target, tmp_path, monkeypatch):
+    from mirror_train.data import features
+
+    rng = np.random.default_rng(1)
+    seqs = [TokenSequence(rng.integers(0, 100, int(rng.integers(8, 60))).tolist(), 5) for _ in range(40)]
+    cfg = FeatureCacheConfig(exit_layers=[2], top_k=4, max_tokens_per_batch=256, max_minutes=10.0)
+    real, calls = features._teacher_force, []
+
+    def dies_on_the_third_batch(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(features, "_teacher_force", dies_on_the_third_batch)
+    with pytest.raises(KeyboardInterrupt):
+        build_feature_cache(tiny_target, seqs, tmp_path / "c", cfg, progress=False)
+    assert json.loads((tmp_path / "c" / "progress.json").read_text())["batches_done"] == 2
+    with pytest.raises(MirrorTrainError, match="incomplete"):
+        FeatureCache(tmp_path / "c", 2)
+    build_feature_cache(tiny_target, seqs, tmp_path / "c", cfg, progress=False)
+    assert len(calls) > 3
+    monkeypatch.undo()
+    cache = FeatureCache(tmp_path / "c", 2)
+    assert cache.num_sequences == len(seqs) and len(cache) == sum(len(s.ids) - 1 for s in seqs)
+    whole = FeatureCache(
+        build_feature_cache(
+            tiny_target, seqs, tmp_path / "w", dataclasses.replace(cfg, max_minutes=None), progress=False
+        ),
+        2,
+    )
+    rows = {tuple(whole.token_ids[whole.offsets[s] : whole.offsets[s + 1]].tolist()): s for s in range(len(seqs))}
+    for s in range(len(seqs)):  # the resumed cache holds each sequence's features as an uninterrupted one does
+        lo, hi = cache.offsets[s], cache.offsets[s + 1]
+        w = rows[tuple(cache.token_ids[lo:hi].tolist())]
+        np.testing.assert_array_equal(cache.hidden[lo:hi], whole.hidden[whole.offsets[w] : whole.offsets[w + 1]])
 
 
 def test_two_ranks_share_the_self_distillation_and_the_main_rank_merges_it(tiny_model_dir, tmp_path):

@@ -15,7 +15,9 @@ Layout (NumPy files, memory-mapped when read):
     is_answer.npy             (P,)   bool      the position predicts a token of the target's own answer
     token_ids.npy             (P,)   int32     the input token at the position (drafts train on token ids)
     seq_offsets.npy           (S+1,) int64     positions of sequence s are [offsets[s], offsets[s+1])
-    progress.json             batches finished (a killed run resumes from there)
+    progress.json             batches finished and minutes spent (a killed run resumes from there), complete
+    A time-boxed cache stores its sequences in caching order and is cut to the batches finished in its box;
+    meta.json's `planned` then says what the whole would have held.
 
 Position p of a sequence predicts token p+1, so a sequence of L tokens contributes L−1 positions.
 """
@@ -45,8 +47,8 @@ class FeatureCacheConfig:
     top_k: int = 32
     max_tokens_per_batch: int = 4096  # padded tokens per teacher-forced forward
     max_seq_len: int = 1152  # longer sequences keep their last tokens
-    # Cache no more sequences than this many minutes allow at the throughput measured on the first batch (a seeded
-    # sample of them, recorded in selection.json); None: every sequence
+    # Cache sequences in a seeded random order until this many minutes are spent (every run of the build together),
+    # then keep the finished ones; None: every sequence
     max_minutes: float | None = None
 
     def validate(self) -> None:
@@ -90,7 +92,14 @@ def build_feature_cache(
     sources: dict | None = None,
     progress: bool = True,
 ) -> Path:
-    """Teacher-force every sequence through the target once and store the features (resuming if interrupted)."""
+    """Teacher-force every sequence through the target once and store the features (resuming if interrupted).
+
+    Under `cfg.max_minutes` the sequences are cached in a seeded random order, block by block, until the minutes
+    (every run of the build together) are spent; the cache is then cut to the finished batches: a random sample of
+    what the machine could do in the box, however fast it ran (a throughput probe before the build under-promised
+    2.9× on an AMD EPYC when a transient load slowed it)."""
+    import time
+
     cfg.validate()
     for layer in cfg.exit_layers:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer <= target.num_layers:
@@ -104,13 +113,15 @@ def build_feature_cache(
     ]
     if not seqs:
         raise MirrorTrainError("no sequence of at least 2 tokens to cache")
-    seqs = [seqs[i] for i in _time_boxed(target, seqs, out, cfg)]
+    order, batches = _plan(seqs, cfg)
+    seqs = [seqs[i] for i in order]  # the file's order
     counts = np.array([len(s.ids) - 1 for s in seqs], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(counts)])
     total, hidden_size, k = int(offsets[-1]), target.hidden_size, cfg.top_k
     meta = {
-        "format_version": 1,
-        "config": {k: v for k, v in asdict(cfg).items() if k != "max_minutes"},  # selection.json records its effect
+        "format_version": 2,
+        "config": {k: v for k, v in asdict(cfg).items() if k != "max_minutes"},
+        "time_boxed": cfg.max_minutes is not None,  # the layout (see _plan); the minutes may change on a resume
         "positions": total,
         "sequences": len(seqs),
         "answer_positions": int(sum(len(s.ids) - s.answer_start for s in seqs)),
@@ -121,11 +132,35 @@ def build_feature_cache(
     }
     meta_file, progress_file = out / "meta.json", out / "progress.json"
     fresh = not meta_file.exists()
-    if not fresh and json.loads(meta_file.read_text()) != meta:
-        raise MirrorTrainError(f"{out} holds a feature cache of other data or settings; use another directory")
-    batches = _plan_batches([len(s.ids) for s in seqs], cfg.max_tokens_per_batch)
-    if not fresh and json.loads(progress_file.read_text())["batches_done"] == len(batches):
-        return out  # complete: nothing to open for writing
+    if not fresh:
+        old = json.loads(meta_file.read_text())
+        if old.get("format_version") == 1:  # written before caches were cut at their time box: kept as it is
+            same = ("config", "target", "sources", "hidden_size", *dtype_record(target))
+            if any(old.get(key) != meta[key] for key in same):
+                raise MirrorTrainError(f"{out} holds a feature cache of other data or settings; use another directory")
+            if not FeatureCache._complete_v1(out, old):
+                raise MirrorTrainError(
+                    f"{out} holds an unfinished cache of an older format; delete it or use another directory"
+                )
+            return out
+        planned = {**old, **old.get("planned", {})}  # a cache cut at its time box records what it planned
+        planned.pop("planned", None)
+        if planned != meta:
+            raise MirrorTrainError(f"{out} holds a feature cache of other data or settings; use another directory")
+        state = json.loads(progress_file.read_text())
+        if state.get("complete"):
+            return out
+    else:
+        state = {"batches_done": 0, "minutes": 0.0}
+    done, before = state["batches_done"], state.get("minutes", 0.0)
+    started = time.perf_counter()
+    spent = lambda: before + (time.perf_counter() - started) / 60  # noqa: E731
+
+    def out_of_time() -> bool:
+        return cfg.max_minutes is not None and done > 0 and spent() >= cfg.max_minutes  # at least one batch
+
+    if not fresh and (done == len(batches) or out_of_time()):
+        return _finish(out, meta, batches, done, offsets, state)
     mode = "w+" if fresh else "r+"
 
     def array(name: str, shape: tuple, dtype) -> np.memmap:
@@ -139,13 +174,13 @@ def build_feature_cache(
     np.save(out / "seq_offsets.npy", offsets)
     if fresh:
         meta_file.write_text(json.dumps(meta, indent=2) + "\n")
-        progress_file.write_text(json.dumps({"batches_done": 0}))
-    done = json.loads(progress_file.read_text())["batches_done"]
+        progress_file.write_text(json.dumps(state))
     pad = _pad_id(target)
-    bar = tqdm(total=total, desc="caching features", unit="pos", disable=not progress)
+    box = f" (time box {cfg.max_minutes} min)" if cfg.max_minutes is not None else ""
+    bar = tqdm(total=total, desc=f"caching features{box}", unit="pos", disable=not progress)
     bar.update(int(sum(counts[i] for b in batches[:done] for i in b)))
-    for b_idx in range(done, len(batches)):
-        batch = batches[b_idx]
+    while done < len(batches) and not out_of_time():
+        batch = batches[done]
         states, top = _teacher_force(target, [seqs[i].ids for i in batch], k, pad)
         for row, i in enumerate(batch):
             n, lo = int(counts[i]), int(offsets[i])
@@ -157,10 +192,79 @@ def build_feature_cache(
             token_ids[lo : lo + n] = seqs[i].ids[:n]
         for arr in (*hidden.values(), topk_ids, topk_logp, is_answer, token_ids):
             arr.flush()
-        progress_file.write_text(json.dumps({"batches_done": b_idx + 1}))
+        done += 1
+        state = {"batches_done": done, "minutes": spent(), "box": cfg.max_minutes}
+        progress_file.write_text(json.dumps(state))
         bar.update(int(counts[batch].sum()))
     bar.close()
+    del hidden, topk_ids, topk_logp, is_answer, token_ids  # the memory maps closed before a cut
+    return _finish(out, meta, batches, done, offsets, state)
+
+
+def _plan(seqs: list[TokenSequence], cfg: FeatureCacheConfig) -> tuple[list[int], list[list[int]]]:
+    """The file's order of the sequences (indices into `seqs`) and the batches in caching order (indices into the
+    file's order). Whole: the given order, length-sorted batches over all of it. Time-boxed: a seeded permutation
+    cut into blocks of `_BOX_BLOCK` sequences, each block's batches length-sorted and stored one after another, so
+    the batches finished at any moment fill a prefix of the file and hold a random sample of every length."""
+    lengths = [len(s.ids) for s in seqs]
+    if cfg.max_minutes is None:
+        return list(range(len(seqs))), _plan_batches(lengths, cfg.max_tokens_per_batch)
+    permuted = np.random.default_rng(0).permutation(len(seqs)).tolist()
+    order: list[int] = []
+    batches: list[list[int]] = []
+    for lo in range(0, len(permuted), _BOX_BLOCK):
+        block = permuted[lo : lo + _BOX_BLOCK]
+        for batch in _plan_batches([lengths[i] for i in block], cfg.max_tokens_per_batch):
+            batches.append(list(range(len(order), len(order) + len(batch))))
+            order += [block[j] for j in batch]
+    return order, batches
+
+
+_BOX_BLOCK = 256  # sequences a time-boxed cache sorts by length together: little padding, yet a sample of the whole
+
+
+def _finish(out: Path, meta: dict, batches: list[list[int]], done: int, offsets: np.ndarray, state: dict) -> Path:
+    """Mark the cache complete; a time-boxed one stopped early is first cut to its finished batches (a prefix of
+    the file: see `_plan`). Each step is idempotent, so a run killed here finishes on the next."""
+    if done < len(batches):
+        kept = max(batches[done - 1]) + 1  # sequences
+        positions = int(offsets[kept])
+        for name in sorted(p.name for p in out.glob("*.npy") if p.name != "seq_offsets.npy"):
+            _truncate_npy(out / name, positions)
+        np.save(out / "seq_offsets.npy", offsets[: kept + 1])
+        planned = {key: meta[key] for key in ("positions", "sequences", "answer_positions")}
+        answers = np.load(out / "is_answer.npy", mmap_mode="r")
+        cut = {**meta, "positions": positions, "sequences": kept, "answer_positions": int(answers.sum())}
+        (out / "meta.json").write_text(json.dumps({**cut, "planned": planned}, indent=2) + "\n")
+        log.warning(
+            "cached %d of %d sequences (%d positions) in the %s-minute time box",
+            kept,
+            meta["sequences"],
+            positions,
+            state.get("box"),
+        )
+    (out / "progress.json").write_text(json.dumps({**state, "complete": True}))
     return out
+
+
+def _truncate_npy(path: Path, rows: int) -> None:
+    """Cut a .npy file to its first `rows` rows in place: the header rewritten at its old length (fewer rows never
+    need more digits) and the data truncated."""
+    with open(path, "r+b") as f:
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read(f)
+        data_start = f.tell()
+        if shape[0] == rows:
+            return
+        header = repr(
+            {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": fortran, "shape": (rows, *shape[1:])}
+        )
+        length_bytes = 2 if version == (1, 0) else 4
+        room = data_start - 6 - 2 - length_bytes  # magic string, version, header length
+        f.seek(6 + 2 + length_bytes)
+        f.write(header.ljust(room - 1).encode("latin1") + b"\n")
+        f.truncate(data_start + rows * int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize)
 
 
 def _pad_id(target) -> int:
@@ -178,50 +282,6 @@ def _teacher_force(target, rows: list[list[int]], k: int, pad: int):
         mask[row, : len(r)] = 1
     states, logits = target.hidden_states(ids.to(target.device), mask.to(target.device))
     return states, torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-
-
-def _time_boxed(target, seqs: list[TokenSequence], out: Path, cfg: FeatureCacheConfig) -> list[int]:
-    """The sequences to cache: all, or under `cfg.max_minutes` a seeded sample that fits at the measured throughput
-    (a batch of the sample's first sequences, teacher-forced and top-k'd as the cache does, timed: a probe of the
-    forward alone over-promised by 17% on an AMD EPYC). The choice is made once and kept in selection.json, so a
-    resumed or repeated build caches the same sequences whatever the machine's speed then."""
-    selection = out / "selection.json"
-    if selection.exists():
-        return json.loads(selection.read_text())["kept"]
-    if cfg.max_minutes is None or (out / "meta.json").exists():
-        return list(range(len(seqs)))
-    import time
-
-    order = np.random.default_rng(0).permutation(len(seqs)).tolist()
-    probe, tokens = [], 0
-    for i in order:
-        if probe and tokens + len(seqs[i].ids) > cfg.max_tokens_per_batch:
-            break
-        probe.append(i)
-        tokens += len(seqs[i].ids)
-    rates = []
-    for _ in range(2):  # the first batch also warms up; the probe is a cached batch's whole work (padding, top-k)
-        start = time.perf_counter()
-        _teacher_force(target, [seqs[i].ids for i in probe], cfg.top_k, _pad_id(target))
-        rates.append(tokens / (time.perf_counter() - start))
-    budget = max(rates) * cfg.max_minutes * 60
-    kept, total = [], 0
-    for i in order:
-        if kept and total + len(seqs[i].ids) > budget:  # at least one sequence: an empty cache trains nothing
-            break
-        kept.append(i)
-        total += len(seqs[i].ids)
-    kept = sorted(kept) if len(kept) < len(seqs) else list(range(len(seqs)))
-    if len(kept) < len(seqs):
-        log.warning(
-            "caching %d of %d sequences: %.0f positions a second fit %s minutes",
-            len(kept),
-            len(seqs),
-            max(rates),
-            cfg.max_minutes,
-        )
-    selection.write_text(json.dumps({"kept": kept, "positions_per_s": round(max(rates), 1)}))
-    return kept
 
 
 class FeatureCache:
@@ -252,9 +312,16 @@ class FeatureCache:
             raise MirrorTrainError(f"{self.path} is incomplete; re-run the command that builds it to resume")
 
     def _complete(self) -> bool:
-        lengths = (np.diff(self.offsets) + 1).tolist()
-        planned = len(_plan_batches(lengths, self.meta["config"]["max_tokens_per_batch"]))
-        return json.loads((self.path / "progress.json").read_text())["batches_done"] == planned
+        if self.meta.get("format_version", 1) >= 2:  # marked when finished (or cut at its time box)
+            return bool(json.loads((self.path / "progress.json").read_text()).get("complete"))
+        return self._complete_v1(self.path, self.meta)
+
+    @staticmethod
+    def _complete_v1(path: Path, meta: dict) -> bool:
+        """Format 1 is complete when every batch planned over its sequences is done."""
+        lengths = (np.diff(np.load(path / "seq_offsets.npy")) + 1).tolist()
+        planned = len(_plan_batches(lengths, meta["config"]["max_tokens_per_batch"]))
+        return json.loads((path / "progress.json").read_text())["batches_done"] == planned
 
     def __len__(self) -> int:
         return int(self.meta["positions"])

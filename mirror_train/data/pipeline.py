@@ -51,8 +51,8 @@ class DataConfig:
     extra_layers: list[int] = field(default_factory=list)  # also cache these (ℓe sweeps; another recipe's layers)
     top_k: int = 32
     max_tokens_per_batch: int = 4096
-    # Teacher-force no more sequences than this many minutes allow at the measured throughput (a seeded sample,
-    # features.py): with the self-distillation's own time box, the data stages keep their time on any machine
+    # Teacher-force sequences in a seeded random order until this many minutes are spent, then keep the finished
+    # ones (features.py): with the self-distillation's own time box, the data stages keep their time on any machine
     cache_minutes: float | None = None
     train_on: Literal["all", "answers"] = "all"  # which cached positions to train on
     answer_repeat: int = 1  # with train_on=all: answer positions appear this many times per epoch (the
