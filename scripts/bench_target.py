@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
 
@@ -39,15 +40,21 @@ def step_times(target: Target, context: int, repeats: int) -> dict[int, float]:
     ids = torch.randint(0, target.vocab_size, (1, context + max(WIDTHS)), generator=torch.Generator().manual_seed(0))
     cache = target.new_cache()
     target.forward(ids[:, :context], cache)
-    out = {}
+
+    def step(w: int) -> None:
+        target.forward(ids[:, context : context + w], cache)
+        Target.crop(cache, context)
+
+    # Widths interleaved, round after round: measured one after another, the first width measured read ~15% slow
+    # (a one-token step slower than a two-token one; fourteenth session, docs/engine.md), an order effect.
     for w in WIDTHS:
-
-        def step(w=w):
-            target.forward(ids[:, context : context + w], cache)
-            Target.crop(cache, context)
-
-        out[w] = median_ms(step, repeats=repeats)
-    return out
+        for _ in range(3):
+            step(w)
+    times = {w: [] for w in WIDTHS}
+    for _ in range(repeats):
+        for w in WIDTHS:
+            times[w].append(median_ms(lambda w=w: step(w), repeats=1, warmup=0))
+    return {w: statistics.median(t) for w, t in times.items()}
 
 
 def draft_step(target: Target, path: str, context: int, dtype: torch.dtype):
