@@ -103,6 +103,8 @@ def test_a_run_answers_every_method_identically_resumes_and_refuses_other_settin
     choice = record["choices"][0]
     assert len(choice["turns"]) == len(choice["new_tokens"]) == len(choice["wall_time"]) == 2
     assert sum(choice["accept_lengths"]) == sum(choice["new_tokens"])
+    # the contention reading that decided whether the draft worked concurrently is on record (0 in-process)
+    assert all(turn["contention"] == 0.0 for turn in record["mirror_stats"])
     result = score(out)
     assert all(r["overall"]["lossless"] == 1.0 for r in result["methods"].values())
     for m in ("assisted", "hf_pld"):

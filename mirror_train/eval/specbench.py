@@ -198,6 +198,8 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
                     "hits": [s.hit for s in g.steps if s.hit is not None],
                     "omegas": [round(s.omega, 4) for s in g.steps if s.omega is not None],
                 }
+                if method == "mirror":  # the one reading that decides whether the draft works concurrently at all
+                    result["contention"] = engine.contention
             else:
                 tokens, seconds, lengths = _pinned_hf(target, ids, cfg, stops, method, assistant, hf_generate)
                 result = {"tokens": tokens, "seconds": seconds, "accept_lengths": lengths}
@@ -277,7 +279,7 @@ def _answer_record(q, method: str, cfg: SpecBenchConfig, turns: list, target) ->
         "wall_time": [r["seconds"] for _, r in turns],
         "accept_lengths": [n for _, r in turns for n in r["accept_lengths"]],
     }
-    stats = [{k: r[k] for k in ("reused", "hits", "omegas") if k in r} for _, r in turns]
+    stats = [{k: r[k] for k in ("reused", "hits", "omegas", "contention") if k in r} for _, r in turns]
     return {
         "question_id": int(q.id) if q.id.isdigit() else q.id,
         "category": q.category,
