@@ -34,3 +34,22 @@ def median_ms(fn: Callable[[], object], repeats: int = 30, warmup: int = 3) -> f
         sync()
         times.append((time.perf_counter() - start) * 1000)
     return statistics.median(times)
+
+
+def interleaved_median_ms(fns: dict, repeats: int = 30, warmup: int = 3) -> dict:
+    """Median wall time in milliseconds of each of several functions, timed in turn round after round: timed one
+    after another, the first measured read ~15% slow (the target's one-token step slower than its two-token one,
+    docs/engine.md, fourteenth session), an order effect that interleaving spreads over all of them alike."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {key: [] for key in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[key].append((time.perf_counter() - start) * 1000)
+    return {key: statistics.median(t) for key, t in times.items()}

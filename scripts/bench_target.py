@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from mirror_train import fastpath
 from mirror_train.devices import cpu_model, resolve_dtype
 from mirror_train.target import Target
-from mirror_train.timing import median_ms, torch_threads
+from mirror_train.timing import interleaved_median_ms, median_ms, torch_threads
 
 WIDTHS = (1, 2, 4, 8, 16)
 
@@ -45,16 +44,7 @@ def step_times(target: Target, context: int, repeats: int) -> dict[int, float]:
         target.forward(ids[:, context : context + w], cache)
         Target.crop(cache, context)
 
-    # Widths interleaved, round after round: measured one after another, the first width measured read ~15% slow
-    # (a one-token step slower than a two-token one; fourteenth session, docs/engine.md), an order effect.
-    for w in WIDTHS:
-        for _ in range(3):
-            step(w)
-    times = {w: [] for w in WIDTHS}
-    for _ in range(repeats):
-        for w in WIDTHS:
-            times[w].append(median_ms(lambda w=w: step(w), repeats=1, warmup=0))
-    return {w: statistics.median(t) for w, t in times.items()}
+    return interleaved_median_ms({w: (lambda w=w: step(w)) for w in WIDTHS}, repeats=repeats)
 
 
 def draft_step(target: Target, path: str, context: int, dtype: torch.dtype):

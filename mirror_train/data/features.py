@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -98,8 +99,6 @@ def build_feature_cache(
     (every run of the build together) are spent; the cache is then cut to the finished batches: a random sample of
     what the machine could do in the box, however fast it ran (a throughput probe before the build under-promised
     2.9× on an AMD EPYC when a transient load slowed it)."""
-    import time
-
     cfg.validate()
     for layer in cfg.exit_layers:
         if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer <= target.num_layers:
@@ -154,7 +153,9 @@ def build_feature_cache(
         state = {"batches_done": 0, "minutes": 0.0}
     done, before = state["batches_done"], state.get("minutes", 0.0)
     started = time.perf_counter()
-    spent = lambda: before + (time.perf_counter() - started) / 60  # noqa: E731
+
+    def spent() -> float:
+        return before + (time.perf_counter() - started) / 60
 
     def out_of_time() -> bool:
         return cfg.max_minutes is not None and done > 0 and spent() >= cfg.max_minutes  # at least one batch
