@@ -109,6 +109,32 @@ def test_a_window_source_calibrated_as_never_kept_is_still_tried_now_and_then():
     assert windows[EXPLORE] == [8] and windows[2 * EXPLORE + 1] == [8]
 
 
+def test_serial_explorations_grow_rarer_while_they_confirm_the_skip():
+    """A draft whose rollouts do not pay is skipped; one pass is explored after EXPLORE skips, then after 2×, 4×
+    ... EXPLORE_MAX skips while the skip stands (each cost sd a whole step's wait); a plan that picks the model
+    resets the pace."""
+    from mirror_train.engine.server import EXPLORE, EXPLORE_MAX, DraftServer
+
+    class Backend:  # the plan reads only these
+        num_streams = 2
+
+    server = DraftServer(Backend(), adaptive_window=True)
+    server.gamma, server.costs, server.step_ms = 4, [1.0, 1.1, 1.2, 1.3, 1.4], 30.0
+    server.samples.extend([(1, 30.0), (4, 60.0)] * 2)  # a pass ≈ 0.75 of a target step: never worth it
+    for _ in range(50):
+        server.calibration.update([("model", 3)] * 4, 0)  # never kept
+    plans = [server._serial_plan(0) for _ in range(EXPLORE * 20)]
+    explored = [i for i, n in enumerate(plans) if n]
+    assert all(plans[i] == 3 for i in explored)  # one pass: 1 + 2 streams
+    gaps = [b - a - 1 for a, b in zip([-1] + explored, explored)]
+    assert gaps[:4] == [EXPLORE, 2 * EXPLORE, 4 * EXPLORE, min(EXPLORE_MAX, 8 * EXPLORE)], gaps
+    server.skipped = EXPLORE_MAX
+    assert server._serial_plan(3) == 0  # an extension of a reused branch never explores
+    server.skipped = 0
+    server.calibration.update([("model", 9)] * 400, 400)  # the model is kept now
+    assert server._serial_plan(0) > 0 and server.explore_every == EXPLORE
+
+
 def test_the_state_table_grows_and_reads_rows_with_zeros_before_its_start():
     """What committed tokens read: row i-1 of the table for token i, zeros for the prompt's first token (index -1)."""
     from mirror_train.engine.node_states import StateTable

@@ -47,11 +47,16 @@ from mirror_train.engine.window import (
 )
 from mirror_train.models.drafter_config import TARGET_SLOTS
 
-# A skipped serial rollout is tried anyway after this many skips in a row (`_serial_plan`), and a window source cut
-# to nothing this many times in a row is verified for one token anyway (`_offer`): a calibration that says "never
-# kept" would otherwise never see another verdict (measured: after a first prompt where no copy was kept, prompt
-# lookup proposed nothing for the rest of a 30-question Spec-Bench run)
+# A window source cut to nothing this many times in a row is verified for one token anyway (`_offer`), and a skipped
+# serial rollout is tried anyway (one pass) after this many skips with no model window verified in between
+# (`_serial_plan`): a calibration that says "never kept" would otherwise never see another verdict (measured: after
+# a first prompt where no copy was kept, prompt lookup proposed nothing for the rest of a 30-question Spec-Bench run)
 EXPLORE = 8
+# Each serial exploration that still leaves the model not worth its time doubles the skips before the next, up to
+# this many: on a 2-core CPU a serial rollout beside a just-run target costs the target ~a whole step of waiting
+# (25–33 ms in the engine, 10–13 ms timed alone), and exploring every 8th skip cost sd ~9% of its time while
+# confirming the same verdict (docs/engine.md, fifteenth session)
+EXPLORE_MAX = 64
 # Of the target's measured suffix time, the share the branch rollout plans to fill: with all of it, 10–20% of steps
 # overran it on the 2-core testbed (the suffix and the rollout time both vary by ~10% step to step; docs/engine.md)
 DEADLINE_SHARE = 0.85
@@ -83,7 +88,8 @@ class DraftServer:
         self.calibration = Calibration()  # P(kept) of a window token, by source and key (window.py)
         self.costs: list[float] = []  # the target's relative verification cost by window length (from the engine)
         self.step_ms: float | None = None  # the target's one-token step (from the engine)
-        self.skipped = 0  # fallback rollouts skipped in a row as not worth their time (`_fallback`)
+        self.skipped = 0  # serial rollouts skipped since the last model window verified (`_serial_plan`)
+        self.explore_every = EXPLORE  # the skips before a serial rollout is explored anyway (EXPLORE_MAX)
         self.unexplored = 0  # windows cut to nothing in a row while a source had tokens (`_offer`)
         self.window_keys: list = []  # the calibration keys of the window being verified
         self.forks = False  # the target verifies forked windows: the other source's chain beside the window
@@ -254,6 +260,8 @@ class DraftServer:
             self.ngram.extend(committed)
         if msg.costs:
             self.costs, self.step_ms = list(msg.costs), msg.step_ms
+        if any(k[0] == "model" for k in self.window_keys[:1]):  # the model's acceptance measured afresh
+            self.skipped = 0
         self.calibration.update(self.window_keys, accepted)
         if msg.alt_accepted is not None:  # each source learns from its own chain
             self.calibration.update(self.alt_keys, int(msg.alt_accepted))
@@ -322,17 +330,19 @@ class DraftServer:
     def _serial_plan(self, drafted: int) -> int:
         """How many tokens to have drafted before the target waits no longer (0: roll out nothing), `drafted` of them
         already there: `window.rollout_plan` at the model's mean acceptance so far, against what costs nothing (a
-        copied window, or a plain step). Every `EXPLORE`-th skip rolls out a whole window anyway, so that the model's
-        acceptance keeps being measured."""
+        copied window, or a plain step). After `explore_every` skips with no model window verified (a Mirror-SD
+        branch reused measures the model too) one pass is rolled out anyway, so that the model's acceptance keeps
+        being measured; while the explorations confirm the skip, they grow rarer (EXPLORE_MAX)."""
         line = rollout_line(self.samples)
         if self.backend is None:
             return 0
         if not self.adaptive_window or line is None or not self.step_ms or not self.costs:
             return self.gamma
-        if self.skipped >= EXPLORE:
-            self.skipped = 0
-            return self.gamma
         streams = getattr(self.backend, "num_streams", 0)
+        if not drafted and self.skipped >= self.explore_every:
+            self.skipped = 0
+            self.explore_every = min(EXPLORE_MAX, 2 * self.explore_every)
+            return max(drafted, min(self.gamma, 1 + streams))
         passes = -(-self.gamma // (1 + streams))
         pass_ms = (line[0] + line[1]) / passes  # one branch's pass
         # what a serial rollout measured beyond its passes at that price (feeding the committed tokens, the reply)
@@ -343,7 +353,7 @@ class DraftServer:
             accept, self.costs, pass_ms / self.step_ms, 1 + streams, self.gamma, drafted, overhead_ms / self.step_ms
         )
         if rate > alternative:
-            self.skipped = 0
+            self.skipped, self.explore_every = 0, EXPLORE
             return n
         self.skipped += 1
         return 0
