@@ -37,7 +37,15 @@ def measure(draft_path: str | None, nodes: list[int], contexts: list[int], repea
     from mirror_train.engine.rollout import keep_cache_path
     from mirror_train.models.drafter import MirrorDrafterForCausalLM
     from mirror_train.target import Target
-    from mirror_train.timing import median_ms, torch_threads
+    from mirror_train.timing import torch_threads
+
+    try:  # a baseline revision from before the interleaved helper times each size alone
+        from mirror_train.timing import interleaved_median_ms as interleaved
+    except ImportError:
+        from mirror_train.timing import median_ms
+
+        def interleaved(fns, repeats):
+            return {key: median_ms(fn, repeats=repeats) for key, fn in fns.items()}
 
     target = Target.load("testbed")
     if draft_path:
@@ -59,6 +67,7 @@ def measure(draft_path: str | None, nodes: list[int], contexts: list[int], repea
             ids = torch.randint(0, target.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
             cache = draft.new_cache()
             draft(ids, cache=cache, num_streams=0, logits_index=torch.tensor([context - 1]))
+            steps = {}
             for n in nodes:
                 parents, tokens = list(range(-1, n - 1)), list(range(1, n + 1))
                 leaves = torch.arange(max(0, n - 4), n)
@@ -67,7 +76,10 @@ def measure(draft_path: str | None, nodes: list[int], contexts: list[int], repea
                     draft.tree_forward(tokens, parents, cache, logits_index=leaves)
                     keep_cache_path(cache, context, [])
 
-                out[f"{context}/{n}"] = median_ms(step, repeats=repeats)
+                steps[n] = step
+            # the tree sizes timed in turn, round after round: timed one after another, the first read slow
+            for n, ms in interleaved(steps, repeats=repeats).items():
+                out[f"{context}/{n}"] = ms
     return {"dtype": str(dtype).removeprefix("torch."), "fast_path": installed, "ms": out}
 
 

@@ -16,21 +16,21 @@ import time
 import torch
 
 from mirror_train.devices import cpu_model, fast_bf16
+from mirror_train.timing import interleaved_median_ms
 
 SHAPES = [(576, 1536), (1536, 576), (576, 8192)]  # (in, out): the testbed draft's up/down projection, its LM head
 ROWS = (1, 8, 32)
 
 
-def median_ms(x: torch.Tensor, w: torch.Tensor, calls: int = 200) -> float:
-    for _ in range(20):
-        torch.nn.functional.linear(x, w)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls // 5):
+def linear_ms(x: torch.Tensor, w: torch.Tensor, calls: int = 40):
+    """A function that runs `calls` linears of x by w and returns nothing: one timed repetition (a single one-row
+    linear is too short to time alone)."""
+
+    def run():
+        for _ in range(calls):
             torch.nn.functional.linear(x, w)
-        times.append((time.perf_counter() - start) / (calls // 5) * 1e3)
-    return statistics.median(times)
+
+    return run
 
 
 def main() -> None:
@@ -47,12 +47,14 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for k, n in SHAPES:
         for rows in ROWS:
-            ms = {}
+            runs = {}
             for dtype in (torch.float32, torch.bfloat16):
                 g = torch.Generator().manual_seed(0)
                 w = torch.randn(n, k, generator=g).to(dtype)
                 x = torch.randn(rows, k, generator=g).to(dtype)
-                ms[dtype] = median_ms(x, w)
+                runs[dtype] = linear_ms(x, w)
+            # the two dtypes timed in turn, round after round (a noisy machine drifts between them)
+            ms = {dtype: t / 40 for dtype, t in interleaved_median_ms(runs, repeats=15, warmup=1).items()}
             fp32, bf16 = ms[torch.float32], ms[torch.bfloat16]
             print(f"| {k} → {n} | {rows} | {fp32:.3f} | {bf16:.3f} | {fp32 / bf16:.2f}× |")
 

@@ -12,7 +12,11 @@ draft_fast_path=onednn), so one run compares with and without them. Per variant:
 steps verifying a forked window and of those where its second chain was kept, and the mean ms a step of the target's
 prefix, suffix and of the wait for the next window; the share of steps whose next window is a copy (source ngram)
 and that reused a branch rolled out during the suffix, and the draft's serial rollout ms a step. Every answer is
-checked against ar's, token for token. Prints a Markdown table.
+checked against ar's, token for token. Prints a Markdown table, then a second one that splits each drafting variant's
+steps by how their next window was made (a plain step, a copy, the model's tokens; drafted after the verdict,
+"serial", or reused from a branch rolled out during the target's step): the share of steps, the target's mean wait
+for that window and how much of it the verdict queued behind the draft's earlier work, and the tokens the step that
+verified it committed, i.e. what each way of making a window costs and brings.
 """
 
 from __future__ import annotations
@@ -101,6 +105,40 @@ def main() -> None:
             f"{sum(bool(s.reused) for s in steps) / max(len(steps), 1):.2f} | {mean('fallback_ms'):.1f} | "
             f"{all(ok for *_, ok in got)} |"
         )
+    print("\n| variant | next window | steps | wait ms | of it queued | committed by it |\n|---|---|---|---|---|---|")
+    for v, got in rows.items():
+        if _variant(v)[0] in ("ar", "pld"):
+            continue
+        for kind, share, wait, queued, committed in window_kinds([g.steps[1:] for _, g, _ in got]):
+            print(f"| {v} | {kind} | {share:.2f} | {wait:.1f} | {queued:.1f} | {committed:.2f} |")
+
+
+def window_kinds(generations: list[list]) -> list[tuple[str, float, float, float, float]]:
+    """(kind, share of steps, mean wait ms, the mean of it the verdict queued behind the draft's earlier work, mean
+    tokens committed by the step that verified the window) by how each step's next window was made (module
+    docstring); generations: one list of StepStats each, the prefill aside."""
+    waits: dict[str, list[float]] = {}
+    queued: dict[str, list[float]] = {}
+    committed: dict[str, list[int]] = {}
+    for steps in generations:
+        for step, after in zip(steps, steps[1:] + [None]):
+            made = "reused" if step.reused else ("serial" if step.draft_forwards else "")
+            kind = f"{step.source or 'plain'} {made}".strip()
+            waits.setdefault(kind, []).append(step.wait_ms)
+            queued.setdefault(kind, []).append(step.queued_ms)
+            if after is not None:
+                committed.setdefault(kind, []).append(after.committed)
+    total = sum(len(w) for w in waits.values())
+    return [
+        (
+            k,
+            len(w) / total,
+            statistics.mean(w),
+            statistics.mean(queued[k]),
+            statistics.mean(committed[k]) if committed.get(k) else 0.0,
+        )
+        for k, w in sorted(waits.items())
+    ]
 
 
 if __name__ == "__main__":

@@ -373,6 +373,27 @@ def test_a_feature_conditioned_draft_is_lossless_and_reads_the_true_paired_state
             assert_fed_true_states(engine, draft, target, prompt + ref)
 
 
+@pytest.mark.parametrize("slots", [["exit", "final", "own"], ["final"]])
+def test_a_draft_skipped_step_after_step_catches_up_after_its_replies(
+    target, prompts, references, slots, monkeypatch
+):
+    """A draft whose serial rollouts never pay drafts nothing, so no rollout feeds its cache; after its replies it
+    feeds the committed tokens itself once CATCH_UP are pending, with the states a rollout would have fed them."""
+    from mirror_train.engine import server as server_module
+
+    monkeypatch.setattr(server_module.DraftServer, "_serial_plan", lambda self, drafted: 0)
+    draft = slotted_draft(target, slots)
+    cfg = EngineConfig(kappa=4, gamma=3, placement="local", ngram_tokens=0)
+    cfg.draft_dtype = "float32"
+    with MirrorEngine(target, proxy_head(target, "mlp"), draft, cfg) as engine:
+        g = engine.generate(prompts[2], MAX_NEW, method="sd", stop=[])
+        assert g.tokens == references[2] and all(s.window == 0 for s in g.steps)  # plain steps only
+        server = engine.draft.server
+        assert len(server.tokens) - 1 - server.cached <= server_module.CATCH_UP  # caught up, not left to the end
+        assert server.cached > len(prompts[2])
+        assert_fed_true_states(engine, draft, target, prompts[2] + references[2])
+
+
 def test_a_feature_conditioned_draft_in_a_worker_process_is_lossless(target, conditioned_draft, prompts, references):
     """The states cross a real pipe: the prompt's in the middle of the prefill, then the window's every step."""
     cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="process", **ANY_CORE)

@@ -130,6 +130,7 @@ class StepStats:
     send_ms: float = 0.0
     suffix_ms: float = 0.0
     wait_ms: float = 0.0  # from the verdict sent to the next window received
+    queued_ms: float = 0.0  # of wait_ms: the verdict waiting while the draft finished earlier work (its branches)
     step_ms: float = 0.0
     branch_ms: float = 0.0
     fallback_ms: float = 0.0

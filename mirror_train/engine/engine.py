@@ -292,7 +292,7 @@ class MirrorEngine:
             self._receive(seq)  # its window after the prompt: the prefill has decided that token
             if not seq.done:
                 first_states = self._wire({slot: states[slot][-1:] for slot in slots})
-                verdict = Verdict(0, first, first_states, None, *self._cost_fields())
+                verdict = Verdict(0, first, first_states, None, *self._cost_fields(), sent_s=time.monotonic())
                 self._send(seq, verdict)
                 reply = self._receive(seq)
                 seq.window, seq.alt, seq.fork = _window(reply)
@@ -351,7 +351,8 @@ class MirrorEngine:
             sent = {slot: committed[slot] for slot in slots if slot == "final" or not asked or alt_won}
             costs, step_ms = self._cost_fields()
             verdict = Verdict(
-                main_accepted, correction, self._wire(sent), self._prefix_ms, costs, step_ms, alt_accepted
+                main_accepted, correction, self._wire(sent), self._prefix_ms, costs, step_ms, alt_accepted,
+                time.monotonic(),
             )
             if self._send(seq, verdict):
                 reply = self._receive(seq)
@@ -370,6 +371,7 @@ class MirrorEngine:
             stats.branches = info.get("branches", 0)
             stats.branch_ms, stats.fallback_ms = info.get("branch_ms", 0.0), info.get("fallback_ms", 0.0)
             stats.draft_forwards = info.get("forwards", 0)
+            stats.queued_ms = info.get("queued_ms", 0.0)
             stats.source = info.get("source")
         if window:
             self._prefix_ms = _ema(self._prefix_ms, stats.prefix_ms)

@@ -71,6 +71,8 @@ class Verdict:
     # a forked window's second chain: the tokens it kept (then `accepted` is the main chain's; the chain that kept
     # more was committed, `correction` its; `states` are of the committed rows)
     alt_accepted: int | None = None
+    # time.monotonic() when the target sent it: how long it waited for the draft to finish earlier work (Branches)
+    sent_s: float | None = None
 
 
 @dataclass

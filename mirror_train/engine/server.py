@@ -57,6 +57,10 @@ EXPLORE = 8
 # (25–33 ms in the engine, 10–13 ms timed alone), and exploring every 8th skip cost sd ~9% of its time while
 # confirming the same verdict (docs/engine.md, fifteenth session)
 EXPLORE_MAX = 64
+# Committed tokens the draft's cache may lack before they are fed after a reply, off the target's critical path
+# (`_catch_up`): a serial rollout feeds what the cache lacks first, and after a run of skipped steps that was up to
+# ~80 tokens, 35–55 ms of the target's wait for a one-pass exploration (docs/engine.md, fifteenth session)
+CATCH_UP = 8
 # Of the target's measured suffix time, the share the branch rollout plans to fill: with all of it, 10–20% of steps
 # overran it on the 2-core testbed (the suffix and the rollout time both vary by ~10% step to step; docs/engine.md)
 DEADLINE_SHARE = 0.85
@@ -240,6 +244,7 @@ class DraftServer:
         self.num_branches = len(chosen)
 
     def _verdict(self, msg: Verdict):
+        queued = _queued_ms(msg.sent_s)
         accepted, correction = int(msg.accepted), int(msg.correction)
         # a forked window's second chain kept more: its tokens are committed (the engine sent their states); the
         # main chain then kept exactly the shared stem, and no branch (they hang off the main chain) is the next one
@@ -267,6 +272,7 @@ class DraftServer:
             self.calibration.update(self.alt_keys, int(msg.alt_accepted))
         self.alt, self.alt_keys, self.fork = [], [], 0
         info = {"branches": self.num_branches, "branch_ms": self.branch_ms if self.rolled_spine else 0.0}
+        info["queued_ms"] = queued or 0.0
         if self.window_p is not None:  # learn the acceptance rate; report the candidates where the window stopped
             self.acceptance.update([prob_key(p) for p in self.window_p], accepted)
             if not alt_won:
@@ -457,8 +463,21 @@ class DraftServer:
             self._keep(keep)
             if self.look_ahead:
                 self._look_ahead(prefix_ms)
+            self._catch_up()
 
         return work
+
+    def _catch_up(self) -> None:
+        """Feed the committed tokens the draft's cache lacks (but the newest, whose logits a rollout reads) once there
+        are CATCH_UP or more: steps with no rollout (a copied window, a plain step) feed nothing, and the next serial
+        rollout would feed them all while the target waits. Runs after the reply, while the target works."""
+        pending = len(self.tokens) - self.cached
+        if self.backend is None or pending - 1 < CATCH_UP:
+            return
+        committed = self.tokens[self.cached :]
+        features = self._committed(self.cached, pending) if self.conditioned else None
+        self.backend.rollout(committed, [(pending - 1, None)], 1, features)  # one pass: K/V, one row's logits
+        self._keep(pending - 1)
 
     def _look_ahead(self, prefix_ms: float | None) -> None:
         """Draft on past the window while the target runs its prefix (the draft would idle until the branch request):
