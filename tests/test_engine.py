@@ -784,6 +784,27 @@ def test_concurrent_work_is_done_only_where_its_saving_beats_the_slowdown_it_cau
     assert server._pays(0.0, 100.0)
 
 
+def test_a_window_rolled_out_in_advance_is_worth_what_the_model_commits_beyond_the_alternative():
+    """Where the serial plan skips the model (a fallback costs ~0 ms: a copy or a plain step instead), a branch
+    hit is still worth the tokens the model's window commits beyond the alternative's rate: at acceptance 0.5 the
+    best window is 3 tokens (E(3) = 1.875 tokens for c(3) = 1.15 steps), which against plain steps' 1 token a step
+    saves 0.725 steps; where the model's rate is below the alternative's, only the fallback's time."""
+    from mirror_train.engine.drafts import SyntheticDraft
+    from mirror_train.engine.server import DraftServer
+
+    server = DraftServer(SyntheticDraft(SyntheticDraftConfig(), 100), adaptive_window=True)
+    server.gamma, server.costs, server.step_ms = 4, [1.0, 1.05, 1.1, 1.15, 1.2], 30.0
+    server.contention, server.miss_ms = 0.1, 0.1
+    for _ in range(400):
+        server.calibration.update([("model", 5)] * 4, 1)  # the first kept, the second not
+    accept = server.calibration.overall(lambda k: k[0] == "model")
+    assert 0.49 < accept < 0.51
+    assert server._hit_ms() == pytest.approx(30.0 * (1 + accept + accept**2 + accept**3 - 1.15))
+    assert server._pays(0.2, 20.0) and not server._pays(0.002, 20.0)  # 0.2 × ~22 ms ≥ 0.1 × 20 ms
+    server.costs = [1.0, 2.0, 3.0, 4.0, 5.0]  # a window costs a step a row: the model never beats a plain step
+    assert server._hit_ms() == 0.1 and not server._pays(0.2, 20.0)
+
+
 def test_a_priced_contention_skips_rollouts_and_stays_lossless(target, draft, prompts, references, monkeypatch):
     """The probe times the target beside a real draft's rollouts in a worker (a slowdown ≥ 0; the synthetic draft,
     whose work is a sleep, shares nothing: 0). Told that its work slows the target 100-fold, the draft rolls out

@@ -41,6 +41,7 @@ from mirror_train.engine.window import (
     Calibration,
     best_fork,
     best_length,
+    expected_committed,
     prob_key,
     rollout_plan,
     serial_overhead,
@@ -508,12 +509,30 @@ class DraftServer:
         return reach * self.calibration.overall(lambda k: k[0] == "model")
 
     def _pays(self, hit: float, overlap_ms: float) -> bool:
-        """Whether concurrent work that spares the next fallback with probability `hit` is worth slowing the target
-        for `overlap_ms` of its step: hit × the fallback's measured time ≥ contention × overlap_ms. Always, with no
-        measured contention (devices that share nothing) or no fallback measured yet."""
+        """Whether concurrent work that makes the next window with probability `hit` is worth slowing the target for
+        `overlap_ms` of its step: hit × what such a window is worth (`_hit_ms`) ≥ contention × overlap_ms. Always,
+        with no measured contention (devices that share nothing) or no fallback measured yet."""
         if self.contention <= 0 or self.miss_ms is None:
             return True
-        return hit * self.miss_ms >= self.contention * overlap_ms
+        return hit * self._hit_ms() >= self.contention * overlap_ms
+
+    def _hit_ms(self) -> float:
+        """What a next window rolled out in advance is worth, in ms of the target's time: the fallback it spares
+        (its measured reply time), or more where no fallback is rolled out: then the next window is a copy or a plain
+        step, which cost nothing but commit less, and the model's window commits in expectation E(w) tokens in c(w)
+        steps where the alternative's rate r needs E(w)/r (window.py), i.e. saves step_ms × (E(w)/r − c(w)).
+        Measured: pricing by the fallback's time alone, near 0 where the serial plan skips the model (a copy or a
+        plain step instead), turned Mirror-SD's branch rollouts off on Zen 5 at a contention of a few per cent, and
+        cost it 1.26× → 1.17× against plain decoding (docs/engine.md, fifteenth session)."""
+        miss = self.miss_ms or 0.0
+        if not self.step_ms or not self.costs or self.backend is None:
+            return miss
+        accept = [self.calibration.overall(lambda k: k[0] == "model")] * self.gamma
+        w, rate = best_length(accept, self.costs)
+        alternative = max(1.0, self._copy()[1])
+        if w == 0 or rate <= alternative:
+            return miss
+        return max(miss, self.step_ms * expected_committed(accept[:w])[-1] * (1 / alternative - 1 / rate))
 
     def _load(self, ms: float, gamma: int) -> None:
         """The draft's usual concurrent work for `ms` (whole-budget branch rollouts; the engine times its target
