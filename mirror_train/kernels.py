@@ -7,9 +7,12 @@ Why kernels of our own (docs/engine.md, "The step against the hardware"): at 2�
 run ~2× slower than a one-row step that is already bound by reading the weights, and they round a row differently
 by the rows beside it (a one-row product goes to a GEMV, ~1e-5 apart); torch's fused attention blocks a k-row
 causal window differently from one-row decoding, so exactness took k separate attention calls a layer.
-- `linear`: streams each weight row once a call and reuses it from L1 for every input row (4 weight rows × up to 4
-  input rows a block, the next block's rows prefetched); per output, explicit FMAs over the same k-chunks, then the
-  same horizontal sum.
+- `linear`: streams each weight row once a call and reuses it from L1 for every input row (1 weight row × up to 4
+  input rows a block for calls of up to 4 rows, 4 weight rows × up to 4 input rows with the next block's rows
+  prefetched for more); per output, explicit FMAs over the same k-chunks, then the same horizontal sum, so the block
+  shape changes no bit. One weight stream at a time reads memory faster than four interleaved ones: on a Zen 5 core
+  a one-row call over 113–230 MB of weights ran at 32 GB/s against 27 (a plain sum reads 34–36; docs/engine.md,
+  fifteenth session).
 - `attention`: for each head and query row, the scores over exactly the keys that row sees, a max, exponentials
   (a fixed polynomial) summed in order, and the values accumulated in order: a function of the row's query and its
   keys alone, so a window row is the one-token step at that position.
@@ -146,7 +149,7 @@ static const T##_block_fn T##_NARROW[5] = {0, T##_block_1_1, T##_block_1_2, T##_
 void linear_##T(const float *x, int64_t ldx, const WT *w, const float *b, float *y, int64_t ldy, int64_t M,         \
                 int64_t N, int64_t K) {                                                                            \
     int64_t n = 0;                                                                                                 \
-    for (; n + 4 <= N; n += 4)                                                                                     \
+    for (; M > 2 && n + 4 <= N; n += 4) /* 1-2 rows: one weight row a block streams faster (module doc) */    \
         for (int64_t m = 0; m < M; m += 4) {                                                                       \
             int64_t mb = M - m < 4 ? M - m : 4;                                                                    \
             T##_WIDE[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy, m == 0 && n + 8 <= N); \
