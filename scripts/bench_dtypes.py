@@ -10,9 +10,6 @@ Prints a Markdown table with the CPU model and its flags.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from mirror_train.devices import cpu_model, fast_bf16

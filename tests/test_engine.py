@@ -374,9 +374,7 @@ def test_a_feature_conditioned_draft_is_lossless_and_reads_the_true_paired_state
 
 
 @pytest.mark.parametrize("slots", [["exit", "final", "own"], ["final"]])
-def test_a_draft_skipped_step_after_step_catches_up_after_its_replies(
-    target, prompts, references, slots, monkeypatch
-):
+def test_a_draft_skipped_step_after_step_catches_up_after_its_replies(target, prompts, references, slots, monkeypatch):
     """A draft whose serial rollouts never pay drafts nothing, so no rollout feeds its cache; after its replies it
     feeds the committed tokens itself once CATCH_UP are pending, with the states a rollout would have fed them."""
     from mirror_train.engine import server as server_module

@@ -351,9 +351,9 @@ class MirrorEngine:
             sent = {slot: committed[slot] for slot in slots if slot == "final" or not asked or alt_won}
             costs, step_ms = self._cost_fields()
             verdict = Verdict(
-                main_accepted, correction, self._wire(sent), self._prefix_ms, costs, step_ms, alt_accepted,
-                time.monotonic(),
+                main_accepted, correction, self._wire(sent), self._prefix_ms, costs, step_ms, alt_accepted
             )
+            verdict.sent_s = time.monotonic()  # stamped last: the draft's queue time starts here
             if self._send(seq, verdict):
                 reply = self._receive(seq)
                 if reply is not None:
