@@ -87,7 +87,8 @@ def run_at(revision: str | None, worktree: str | None, args) -> dict:
     """`measure` in a fresh process: this checkout's code, or the worktree's."""
     env = {**os.environ, "PYTHONPATH": worktree or str(ROOT)}  # that checkout's package, not an installed one
     cmd = [sys.executable, __file__, "--measure-only", "--nodes", args.nodes, "--contexts", args.contexts]
-    cmd += ["--repeats", str(args.repeats)] + (["--draft", args.draft] if args.draft else [])
+    # the baseline runs in its worktree: a relative path to the draft must still name this checkout's
+    cmd += ["--repeats", str(args.repeats)] + (["--draft", os.path.abspath(args.draft)] if args.draft else [])
     result = subprocess.run(cmd, env=env, cwd=worktree or ROOT, check=True, capture_output=True, text=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
