@@ -488,12 +488,14 @@ class MirrorEngine:
         return fit_costs(self._verify_samples, self._widest())
 
     @torch.inference_mode()
-    def _measure_contention(self, context: int = 128, steps: int = 24) -> float:
-        """How much slower the target's one-token step runs while the draft works (0.18: 18%), measured once: the
-        step timed alone, beside the draft's own branch rollouts (`Load`), and alone again. Devices that share
-        nothing measure ~0; two cores on one memory bus do not (docs/engine.md). 0 where nothing overlaps (the
-        draft in-process), for the synthetic draft (a sleep) or with `price_contention` off; a draft that fails
-        here is the usual fault."""
+    def _measure_contention(self, context: int = 128, steps: int = 8, rounds: int = 4) -> float:
+        """How much slower the target's one-token step runs while the draft works (0.18: 18%), measured once: in each
+        of `rounds` rounds the step timed alone, then beside the draft's own branch rollouts (`Load`); the median of
+        the rounds' ratios. Rounds, not one long phase of each: on a shared machine the speed drifts over seconds, and
+        two phases of 24 steps read 0.00 and 0.07 from engine to engine (fifteenth session). Devices that share
+        nothing measure ~0; two cores on one memory bus do not (docs/engine.md). 0 where nothing overlaps (the draft
+        in-process), for the synthetic draft (a sleep) or with `price_contention` off; a draft that fails here is
+        the usual fault."""
         synthetic = (self.spec or {}).get("kind") == "synthetic"  # its work is a sleep: it shares nothing
         if not self.config.price_contention or self.config.placement == "local" or self.draft is None or synthetic:
             return 0.0
@@ -503,26 +505,29 @@ class MirrorEngine:
         cache = target.new_cache()
         target.forward(ids[:, :context], cache)
 
-        def timed() -> list[float]:
+        def timed() -> float:
             out = []
             for _ in range(steps):
                 start = self._now()
                 target.forward(ids[:, context:], cache)
                 out.append((self._now() - start) * 1e3)
                 Target.crop(cache, context)
-            return out
+            return statistics.median(out)
 
-        alone = timed()
-        try:
-            self.draft.send(Load(statistics.median(alone) * steps * 1.5 + 200.0, self.config.gamma))
-            time.sleep(0.1)  # the draft's dummy prefill, then its rollouts: time the target once they run
-            beside = timed()
-            self.draft.recv(self.config.timeout_s)
-        except DraftUnavailable as e:
-            self._fault(e)
-            return 0.0
-        alone += timed()
-        return max(0.0, statistics.median(beside) / statistics.median(alone) - 1.0)
+        timed()  # warm
+        ratios = []
+        for _ in range(rounds):
+            alone = timed()
+            try:
+                self.draft.send(Load(alone * steps * 1.5 + 200.0, self.config.gamma))
+                time.sleep(0.1)  # the draft's dummy prefill, then its rollouts: time the target once they run
+                beside = timed()
+                self.draft.recv(self.config.timeout_s)
+            except DraftUnavailable as e:
+                self._fault(e)
+                return 0.0
+            ratios.append(beside / alone)
+        return max(0.0, statistics.median(ratios) - 1.0)
 
 
 @dataclass
