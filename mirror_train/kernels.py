@@ -7,12 +7,12 @@ Why kernels of our own (docs/engine.md, "The step against the hardware"): at 2�
 run ~2× slower than a one-row step that is already bound by reading the weights, and they round a row differently
 by the rows beside it (a one-row product goes to a GEMV, ~1e-5 apart); torch's fused attention blocks a k-row
 causal window differently from one-row decoding, so exactness took k separate attention calls a layer.
-- `linear`: streams each weight row once a call and reuses it from L1 for every input row (1 weight row × up to 4
-  input rows a block for calls of up to 4 rows, 4 weight rows × up to 4 input rows with the next block's rows
-  prefetched for more); per output, explicit FMAs over the same k-chunks, then the same horizontal sum, so the block
-  shape changes no bit. One weight stream at a time reads memory faster than four interleaved ones: on a Zen 5 core
-  a one-row call over 113–230 MB of weights ran at 32 GB/s against 27 (a plain sum reads 34–36; docs/engine.md,
-  fifteenth session).
+- `linear`: streams each weight row once a call and reuses it from L1 for every input row (1 weight row × the 1–2
+  input rows a block for calls of 1–2 rows, 4 weight rows × up to 4 input rows with the next block's rows
+  prefetched for more: from 3 rows on those measured faster); per output, explicit FMAs over the same k-chunks, then
+  the same horizontal sum, so the block shape changes no bit. One weight stream at a time reads memory faster than
+  four interleaved ones: on a Zen 5 core a one-row call over 113–230 MB of weights ran at 32 GB/s against 27 (a
+  plain sum reads 34–36; docs/engine.md, fifteenth session).
 - `attention`: for each head and query row, the scores over exactly the keys that row sees, a max, exponentials
   (a fixed polynomial) summed in order, and the values accumulated in order: a function of the row's query and its
   keys alone, so a window row is the one-token step at that position.

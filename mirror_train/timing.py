@@ -24,17 +24,7 @@ def torch_threads(n: int):
 
 def median_ms(fn: Callable[[], object], repeats: int = 30, warmup: int = 3) -> float:
     """Median wall time of `fn()` in milliseconds (synchronising CUDA when it is in use)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+    return interleaved_median_ms({0: fn}, repeats=repeats, warmup=warmup)[0]
 
 
 def interleaved_median_ms(fns: dict, repeats: int = 30, warmup: int = 3) -> dict:

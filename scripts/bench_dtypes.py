@@ -17,14 +17,14 @@ from mirror_train.timing import interleaved_median_ms
 
 SHAPES = [(576, 1536), (1536, 576), (576, 8192)]  # (in, out): the testbed draft's up/down projection, its LM head
 ROWS = (1, 8, 32)
+CALLS = 40  # linears a timed repetition: a single one-row linear is too short to time alone
 
 
-def linear_ms(x: torch.Tensor, w: torch.Tensor, calls: int = 40):
-    """A function that runs `calls` linears of x by w and returns nothing: one timed repetition (a single one-row
-    linear is too short to time alone)."""
+def linear_ms(x: torch.Tensor, w: torch.Tensor):
+    """A function that runs CALLS linears of x by w: one timed repetition."""
 
     def run():
-        for _ in range(calls):
+        for _ in range(CALLS):
             torch.nn.functional.linear(x, w)
 
     return run
@@ -51,7 +51,7 @@ def main() -> None:
                 x = torch.randn(rows, k, generator=g).to(dtype)
                 runs[dtype] = linear_ms(x, w)
             # the two dtypes timed in turn, round after round (a noisy machine drifts between them)
-            ms = {dtype: t / 40 for dtype, t in interleaved_median_ms(runs, repeats=15, warmup=1).items()}
+            ms = {dtype: t / CALLS for dtype, t in interleaved_median_ms(runs, repeats=15, warmup=1).items()}
             fp32, bf16 = ms[torch.float32], ms[torch.bfloat16]
             print(f"| {k} → {n} | {rows} | {fp32:.3f} | {bf16:.3f} | {fp32 / bf16:.2f}× |")
 

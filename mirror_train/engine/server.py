@@ -349,13 +349,12 @@ class DraftServer:
         if not drafted and self.skipped >= self.explore_every:
             self.skipped = 0
             self.explore_every = min(EXPLORE_MAX, 2 * self.explore_every)
-            return max(drafted, min(self.gamma, 1 + streams))
+            return min(self.gamma, 1 + streams)
         passes = -(-self.gamma // (1 + streams))
         pass_ms = (line[0] + line[1]) / passes  # one branch's pass
         # what a serial rollout measured beyond its passes at that price (feeding the committed tokens, the reply)
         overhead_ms = serial_overhead(self.serial_samples, pass_ms)
-        accept = self.calibration.overall(lambda k: k[0] == "model")
-        alternative = max(1.0, self._copy()[1])
+        accept, alternative = self._model_acceptance(), self._alternative_rate()
         n, rate = rollout_plan(
             accept, self.costs, pass_ms / self.step_ms, 1 + streams, self.gamma, drafted, overhead_ms / self.step_ms
         )
@@ -506,7 +505,15 @@ class DraftServer:
     def _ahead_hit(self) -> float:
         """P(the look-ahead is the branch needed): the target keeps the whole window, then the draft's next token."""
         reach = math.prod(self.calibration.predict(self.window_keys))
-        return reach * self.calibration.overall(lambda k: k[0] == "model")
+        return reach * self._model_acceptance()
+
+    def _model_acceptance(self) -> float:
+        """The model's mean per-token acceptance so far (its calibration over every probability bin)."""
+        return self.calibration.overall(lambda k: k[0] == "model")
+
+    def _alternative_rate(self) -> float:
+        """The rate of what a step verifies when the model has no window: the copy on offer, else a plain step's 1."""
+        return max(1.0, self._copy()[1])
 
     def _pays(self, hit: float, overlap_ms: float) -> bool:
         """Whether concurrent work that makes the next window with probability `hit` is worth slowing the target for
@@ -527,9 +534,9 @@ class DraftServer:
         miss = self.miss_ms or 0.0
         if not self.step_ms or not self.costs or self.backend is None:
             return miss
-        accept = [self.calibration.overall(lambda k: k[0] == "model")] * self.gamma
+        accept = [self._model_acceptance()] * self.gamma
         w, rate = best_length(accept, self.costs)
-        alternative = max(1.0, self._copy()[1])
+        alternative = self._alternative_rate()
         if w == 0 or rate <= alternative:
             return miss
         return max(miss, self.step_ms * expected_committed(accept[:w])[-1] * (1 / alternative - 1 / rate))
