@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from mirror_train import attention, kernels
+from mirror_train.alignment import align_parameters
 from mirror_train.errors import MirrorTrainError
 from mirror_train.timing import median_ms
 
@@ -87,6 +88,7 @@ def install(model: nn.Module, kind: str = "auto") -> str:
     kind = resolve(kind, param.device, param.dtype)
     if kind == "none":
         return kind
+    align_parameters(model)  # a draft loaded from its artifact: weights that straddle cache lines (alignment.py)
     attention.use_kernel(model, kind == "exact")
     attention.use_draft_attention(model, kind == "fastest")
     linears = [m for m in model.modules() if type(m) in (nn.Linear, PackedLinear, ExactLinear, RoutedLinear)]

@@ -8,8 +8,8 @@ run ~2× slower than a one-row step that is already bound by reading the weights
 by the rows beside it (a one-row product goes to a GEMV, ~1e-5 apart); torch's fused attention blocks a k-row
 causal window differently from one-row decoding, so exactness took k separate attention calls a layer.
 - `linear`: streams each weight row once a call and reuses it from L1 for every input row (1 weight row × the 1–2
-  input rows a block for calls of 1–2 rows, 4 weight rows × up to 4 input rows with the next block's rows
-  prefetched for more: from 3 rows on those measured faster); per output, explicit FMAs over the same k-chunks, then
+  input rows a block for calls of 1–2 rows, 4 weight rows × up to 4 input rows, 3 weight rows × up to 8 input rows
+  from 5 rows on where 8 input rows fit L1, the next block's weight rows prefetched: each measured fastest at its rows); per output, explicit FMAs over the same k-chunks, then
   the same horizontal sum, so the block shape changes no bit. One weight stream at a time reads memory faster than
   four interleaved ones: on a Zen 5 core a one-row call over 113–230 MB of weights ran at 32 GB/s against 27 (a
   plain sum reads 34–36; docs/engine.md, fifteenth session).
@@ -139,17 +139,31 @@ static void T##_block_##NB##_##MB(const float *x, int64_t ldx, const WT *w, int6
         }                                                                                                          \
 }
 
-/* y (M x N, row stride ldy) = x (M x K, row stride ldx) . w^T, w (N x K) contiguous; b (N, float32) or NULL. */
+/* y (M x N, row stride ldy) = x (M x K, row stride ldx) . w^T, w (N x K) contiguous; b (N, float32) or NULL.
+   Blocks by the rows of the call: 1-2 rows one weight row a block (it streams fastest); 3-4 rows 4 weight rows x
+   4 input rows; 5 or more rows 3 weight rows x up to 8 input rows (24 sums in registers, each weight chunk loaded
+   once for 8 rows: 8 rows 15-30% faster than two 4x4 passes, Zen 5, docs/engine.md sixteenth session) where 8
+   input rows stay in L1 (K <= TALL_K; at K = 1536 they do not, and 3x8 ran 20% slower than 4x4 passes). */
+#define TALL_K 768
 #define LINEAR(T, WT)                                                                                              \
 BLOCK(T, WT, 4, 4) BLOCK(T, WT, 4, 3) BLOCK(T, WT, 4, 2) BLOCK(T, WT, 4, 1)                                        \
+BLOCK(T, WT, 3, 8) BLOCK(T, WT, 3, 7) BLOCK(T, WT, 3, 6) BLOCK(T, WT, 3, 5)                                        \
+BLOCK(T, WT, 3, 4) BLOCK(T, WT, 3, 3) BLOCK(T, WT, 3, 2) BLOCK(T, WT, 3, 1)                                        \
 BLOCK(T, WT, 1, 4) BLOCK(T, WT, 1, 3) BLOCK(T, WT, 1, 2) BLOCK(T, WT, 1, 1)                                        \
 typedef void (*T##_block_fn)(const float *, int64_t, const WT *, int64_t, const float *, float *, int64_t, int);    \
 static const T##_block_fn T##_WIDE[5] = {0, T##_block_4_1, T##_block_4_2, T##_block_4_3, T##_block_4_4};           \
+static const T##_block_fn T##_TALL[9] = {0, T##_block_3_1, T##_block_3_2, T##_block_3_3, T##_block_3_4,           \
+                                         T##_block_3_5, T##_block_3_6, T##_block_3_7, T##_block_3_8};             \
 static const T##_block_fn T##_NARROW[5] = {0, T##_block_1_1, T##_block_1_2, T##_block_1_3, T##_block_1_4};         \
 void linear_##T(const float *x, int64_t ldx, const WT *w, const float *b, float *y, int64_t ldy, int64_t M,         \
                 int64_t N, int64_t K) {                                                                            \
     int64_t n = 0;                                                                                                 \
-    for (; M > 2 && n + 4 <= N; n += 4) /* 1-2 rows: one weight row a block streams faster (module doc) */    \
+    for (; M > 4 && K <= TALL_K && n + 3 <= N; n += 3)                                                             \
+        for (int64_t m = 0; m < M; m += 8) {                                                                       \
+            int64_t mb = M - m < 8 ? M - m : 8;                                                                    \
+            T##_TALL[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy, n + 6 <= N);         \
+        }                                                                                                          \
+    for (; M > 2 && n + 4 <= N; n += 4)                                                                            \
         for (int64_t m = 0; m < M; m += 4) {                                                                       \
             int64_t mb = M - m < 4 ? M - m : 4;                                                                    \
             T##_WIDE[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy, m == 0 && n + 8 <= N); \

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from mirror_train import attention
+from mirror_train.alignment import align_parameters
 from mirror_train.devices import resolve_device
 from mirror_train.errors import MirrorTrainError
 from mirror_train.forked_window import ForkedWindow
@@ -61,6 +62,7 @@ class Target:
 
     def __init__(self, model: nn.Module, tokenizer: Any = None, name_or_path: str | None = None):
         self.model = model.eval().requires_grad_(False)
+        align_parameters(model)  # before anything borrows a weight (alignment.py: loaded weights straddle lines)
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path or getattr(model.config, "name_or_path", "") or "unknown"
         self.config = model.config

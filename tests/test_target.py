@@ -248,3 +248,21 @@ def test_the_growing_cache_holds_what_a_concatenating_one_holds_through_rollback
     plain.batch_repeat_interleave(2)
     k, v = torch.randn(2, 2, 3, 1, 4, generator=g)
     assert all(torch.equal(a, b) for a, b in zip(grown.update(k, v), plain.update(k, v)))
+
+
+def test_a_loaded_target_streams_its_weights_from_aligned_lines_with_its_ties_and_values_kept(tiny_model_dir):
+    """transformers places a checkpoint's tensors at the file's 8-byte offsets; the target moves each to 64-byte
+    aligned storage (alignment.py: the kernels' vector loads would straddle cache lines), changing no value and
+    keeping tied weights one Parameter."""
+    from transformers import AutoModelForCausalLM
+
+    from mirror_train.alignment import align_parameters
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    target = Target.load(tiny_model_dir)
+    assert all(p.data_ptr() % 64 == 0 for p in target.model.parameters())
+    for (name, p), q in zip(target.model.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+    tied = target.model.config.tie_word_embeddings
+    assert (target.lm_head.weight is target.decoder.embed_tokens.weight) == tied
+    assert align_parameters(target.model) == 0  # idempotent
