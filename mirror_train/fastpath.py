@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mirror_train import attention, kernels
+from mirror_train import attention, fused_layer, kernels
 from mirror_train.alignment import align_parameters
 from mirror_train.errors import MirrorTrainError
 from mirror_train.timing import median_ms
@@ -87,9 +87,11 @@ def install(model: nn.Module, kind: str = "auto") -> str:
         return "none"
     kind = resolve(kind, param.device, param.dtype)
     if kind == "none":
+        fused_layer.install(model, False)
         return kind
     align_parameters(model)  # a draft loaded from its artifact: weights that straddle cache lines (alignment.py)
     attention.use_kernel(model, kind == "exact")
+    fused_layer.install(model, kind == "exact")  # whole decoder layers as one C call each, where they apply
     attention.use_draft_attention(model, kind == "fastest")
     linears = [m for m in model.modules() if type(m) in (nn.Linear, PackedLinear, ExactLinear, RoutedLinear)]
     if not linears:

@@ -32,6 +32,7 @@ import os
 import platform
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -185,12 +186,14 @@ LINEAR(BF16, uint16_t)
 #define VFNMADD(a, b, c) _mm512_fnmadd_ps(a, b, c)
 #define VROUND(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define VPOW2(p, n) _mm512_scalef_ps(p, n)
+#define _DIV(a, b) _mm512_div_ps(a, b)
 #elif LANES == 8
 #define VSET(c) _mm256_set1_ps(c)
 #define VMAX(a, b) _mm256_max_ps(a, b)
 #define VMUL(a, b) _mm256_mul_ps(a, b)
 #define VFNMADD(a, b, c) _mm256_fnmadd_ps(a, b, c)
 #define VROUND(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define _DIV(a, b) _mm256_div_ps(a, b)
 #define VPOW2(p, n) /* the exponent field of 2^n built directly */ \
     _mm256_mul_ps(p, _mm256_castsi256_ps(                           \
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)))
@@ -432,6 +435,85 @@ void attention_f32(const float *q, int64_t q_sh, int64_t q_sm, const float *k, c
         }
     }
 }
+
+/* One pre-norm decoder layer (Llama, Mistral, Qwen2: RMSNorm, rotary q/k, grouped-query attention, SiLU-gated MLP)
+   over M rows, in float32, every step a function of its row alone (the norms, the rotary, the gate, the linears and
+   the attention above), so a window is still its one-token steps bit for bit. x (M x H) is updated in place; k and
+   v of the rows are written into the cache buffers at positions past..past+M-1 (after rope, for k); L = past + M.
+   One call a layer instead of ~40 torch ops and 7 linear calls (the Python around them cost ~5 ms of a ~23 ms
+   one-token step of the testbed, Zen 5: docs/engine.md sixteenth session). */
+static void rms_norm(const float *x, const float *w, float eps, float *out, int64_t M, int64_t H) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * H;
+        vec acc = VZERO();
+        int64_t d = 0;
+        for (; d + LANES <= H; d += LANES) { vec v = VLOAD(xr + d); acc = VFMA(v, v, acc); }
+        float ss = vsum(acc);
+        for (; d < H; d++) ss = fmaf(xr[d], xr[d], ss);
+        float r = 1.0f / sqrtf(ss / (float)H + eps);
+        for (d = 0; d < H; d++) out[m * H + d] = w[d] * (xr[d] * r);
+    }
+}
+
+/* q (M x heads x D) rotated in place: x*cos + rotate_half(x)*sin, rotate_half(x) = (-x[D/2:], x[:D/2]) */
+static void rotary(float *q, int64_t M, int64_t heads, int64_t D, const float *cos, const float *sin) {
+    int64_t half = D / 2;
+    float tmp[512];
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *r = q + (m * heads + h) * D;
+            const float *c = cos + m * D, *s = sin + m * D;
+            for (int64_t d = 0; d < D; d++) tmp[d] = r[d];
+            for (int64_t d = 0; d < half; d++) r[d] = tmp[d] * c[d] + (-tmp[d + half]) * s[d];
+            for (int64_t d = half; d < D; d++) r[d] = tmp[d] * c[d] + tmp[d - half] * s[d];
+        }
+}
+
+#if LANES > 1
+static inline vec vsilu(vec g) {  /* g / (1 + exp(-g)), exp over the whole float range */
+    vec e = vexp(VSUB(VZERO(), VMAX(g, VSET(-88.0f))));
+    return _DIV(g, VADD(VSET(1.0f), e));
+}
+#endif
+
+void decoder_layer_f32(float *x, int64_t M, int64_t H, const float *ln1, const float *ln2, float eps,
+                       const float *const *w, const float *const *b, int64_t I, int64_t NH, int64_t KVH, int64_t D,
+                       const float *cos, const float *sin, float *kbuf, float *vbuf, int64_t kv_sh, int64_t kv_sl,
+                       int64_t past, float scale, const int64_t *n1, const int64_t *s2, const int64_t *n2,
+                       float *scratch) {
+    /* w: q, k, v, o, gate, up, down (N x K row-major); b: their biases or NULL */
+    int64_t QD = NH * D, KD = KVH * D, L = past + M;
+    float *n = scratch, *q = n + M * H, *k = q + M * QD, *v = k + M * KD, *att = v + M * KD, *g = att + M * QD;
+    float *u = g + M * I, *o = u + M * I, *as = o + M * H;  /* as: the attention's RB_MAX x L scores */
+    rms_norm(x, ln1, eps, n, M, H);
+    linear_F32(n, H, w[0], b[0], q, QD, M, QD, H);
+    linear_F32(n, H, w[1], b[1], k, KD, M, KD, H);
+    linear_F32(n, H, w[2], b[2], v, KD, M, KD, H);
+    rotary(q, M, NH, D, cos, sin);
+    rotary(k, M, KVH, D, cos, sin);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t h = 0; h < KVH; h++)
+            for (int64_t d = 0; d < D; d++) {
+                kbuf[h * kv_sh + (past + m) * kv_sl + d] = k[(m * KVH + h) * D + d];
+                vbuf[h * kv_sh + (past + m) * kv_sl + d] = v[(m * KVH + h) * D + d];
+            }
+    attention_f32(q, D, QD, kbuf, vbuf, kv_sh, kv_sl, att, as, M, NH, KVH, L, D, scale, n1, s2, n2);
+    linear_F32(att, QD, w[3], b[3], o, H, M, H, QD);
+    for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + o[i];
+    rms_norm(x, ln2, eps, n, M, H);
+    linear_F32(n, H, w[4], b[4], g, I, M, I, H);
+    linear_F32(n, H, w[5], b[5], u, I, M, I, H);
+    for (int64_t m = 0; m < M; m++) {  /* row by row: a row's elements take the same path whatever M */
+        float *gr = g + m * I, *ur = u + m * I;
+        int64_t t = 0;
+#if LANES > 1
+        for (; t + LANES <= I; t += LANES) VSTORE(gr + t, VMUL(vsilu(VLOAD(gr + t)), VLOAD(ur + t)));
+#endif
+        for (; t < I; t++) gr[t] = gr[t] / (1.0f + expf(-gr[t])) * ur[t];
+    }
+    linear_F32(g, I, w[6], b[6], o, H, M, H, I);
+    for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + o[i];
+}
 """
 
 
@@ -480,6 +562,11 @@ def _library() -> ctypes.CDLL | None:
         lib.attention_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, *[i64] * 5, ctypes.c_float]
         lib.attention_f32.argtypes += [ptr] * 3
         lib.attention_f32.restype = None
+        # x, M, H, ln1, ln2, eps, weights[7], biases[7], I, NH, KVH, D, cos, sin, kbuf, vbuf, kv strides, past,
+        # scale, n1, s2, n2, scratch
+        lib.decoder_layer_f32.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, *[i64] * 4, ptr, ptr]
+        lib.decoder_layer_f32.argtypes += [ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr]
+        lib.decoder_layer_f32.restype = None
     except (OSError, AttributeError):  # not loadable here, or not the library this source builds
         return None
     return lib
@@ -552,3 +639,64 @@ def attention(
         *runs,
     )
     return out
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """What `decoder_layer` reads of one decoder layer: its tensors' addresses (float32, contiguous CPU), packed for
+    the C call once (fused_layer.py rebuilds it when a weight moves)."""
+
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    eps: float
+    weights: ctypes.Array  # q, k, v, o, gate, up, down
+    biases: ctypes.Array
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    layer_idx: int  # its place in the model's cache
+    keep: tuple  # the tensors the addresses point into
+
+
+def layer_weights(ln1, ln2, eps, linears, heads, kv_heads, head_dim, scale, layer_idx) -> LayerWeights:
+    """`linears`: the q, k, v, o, gate, up, down nn.Linear modules, in that order."""
+    arr = ctypes.c_void_p * 7
+    weights = arr(*(m.weight.data_ptr() for m in linears))
+    biases = arr(*(m.bias.data_ptr() if m.bias is not None else None for m in linears))
+    keep = (ln1, ln2, *(m.weight for m in linears), *(m.bias for m in linears))
+    inter = linears[4].out_features
+    return LayerWeights(ln1, ln2, eps, weights, biases, inter, heads, kv_heads, head_dim, scale, layer_idx, keep)
+
+
+def decoder_layer(
+    x: torch.Tensor,
+    lw: LayerWeights,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    past: int,
+    runs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decoder layer (the C source's `decoder_layer_f32`) over x (1, M, H) float32 on a CPU, M ≤ MAX_ROWS:
+    returns the layer's output (a new tensor) and writes the rows' keys and values into `keys` / `values` (1, KVH,
+    capacity, D buffers, the last dimension contiguous) at positions past..past+M−1. cos, sin: (1, M, D), the
+    rotary tables of the rows' positions. runs: a forked window's key runs (as `attention`'s `rows`). Call only
+    where `available()`."""
+    m, hidden = x.shape[1], x.shape[2]
+    out = x.reshape(m, hidden).clone()
+    qd, kd, inter, length = lw.heads * lw.head_dim, lw.kv_heads * lw.head_dim, lw.intermediate, past + m
+    scratch = torch.empty(m * (2 * hidden + 2 * qd + 2 * kd + 2 * inter) + RB_MAX * length, dtype=torch.float32)
+    cos, sin = cos.reshape(m, -1).contiguous(), sin.reshape(m, -1).contiguous()
+    r = (None,) * 3
+    if runs is not None:
+        runs = runs.to(torch.int64).contiguous()
+        r = tuple(runs[j].data_ptr() for j in range(3))
+    _library().decoder_layer_f32(
+        out.data_ptr(), m, hidden, lw.ln1.data_ptr(), lw.ln2.data_ptr(), lw.eps, lw.weights, lw.biases,
+        inter, lw.heads, lw.kv_heads, lw.head_dim, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+        values.data_ptr(), keys.stride(1), keys.stride(2), past, lw.scale, *r, scratch.data_ptr(),
+    )
+    return out.view(1, m, hidden)

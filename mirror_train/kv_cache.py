@@ -26,13 +26,25 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, new = self.get_seq_length(), key_states.shape[-2]
+        keys, values = self.reserve(new, key_states)
+        keys[..., n : n + new, :] = key_states
+        values[..., n : n + new, :] = value_states
+        return self.extend(new)
+
+    def reserve(self, new: int, like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers, with room for `new` more positions after the cached ones (a fused layer writes
+        them there itself, then calls `extend`). `like`: a tensor of the keys' shape and dtype, for a first write."""
+        n = self.get_seq_length()
         buffer = self._key_buffer
         if buffer is None or not self._views_of_buffers(n) or buffer.shape[-2] < n + new:
-            self._grow(n, n + new, key_states)
-        self._key_buffer[..., n : n + new, :] = key_states
-        self._value_buffer[..., n : n + new, :] = value_states
-        self.keys = self._key_buffer[..., : n + new, :]
-        self.values = self._value_buffer[..., : n + new, :]
+            self._grow(n, n + new, like if like is not None else self.keys)
+        return self._key_buffer, self._value_buffer
+
+    def extend(self, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Count the `new` positions written after the cached ones into the buffers (`reserve`) as cached."""
+        n = self.get_seq_length() + new
+        self.keys = self._key_buffer[..., :n, :]
+        self.values = self._value_buffer[..., :n, :]
         return self.keys, self.values
 
     def _views_of_buffers(self, n: int) -> bool:

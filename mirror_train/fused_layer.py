@@ -1,0 +1,173 @@
+"""The served float32 target's decoder layers as one C call each (kernels.decoder_layer), on a CPU.
+
+A one-token step of a small model on a CPU is mostly weight streaming, and what is not is Python: per layer ~40 torch
+ops (two RMSNorms, the rotary, SiLU, the residual adds, views and transposes), seven linear calls through their
+modules, the cache update and the attention interface. On the testbed that was ~5 ms of a ~23 ms one-token step on a
+Zen 5 core (docs/engine.md, sixteenth session), against a weight-streaming floor of ~14 ms. Here a supported layer
+(pre-norm RMSNorm, rotary q/k, grouped-query attention, SiLU-gated MLP: Llama, Mistral without a sliding window,
+Qwen2) runs norm, projections, rotary, the cache write, attention, MLP and residuals in one call, every step a
+function of its row alone, so a k-row window is still its k one-token steps bit for bit (`Target.exact_windows`).
+
+Which calls: exactly those the row-exact attention kernel serves (attention.row_exact_kernel: batch 1, float32 on a
+CPU, a window of 1..MAX_ROWS rows after a non-empty cache, a plain causal or forked mask), when the layer's cache is a
+transformers DynamicLayer (made to grow in place, kv_cache.py) and nothing needs gradients; anything else (a prompt's
+prefill, batches, training) runs the layer's own forward. The function differs from the module's in the last bits
+(the norm's sum order, the SiLU's exponential), as the kernels' linears already do; every method and the transformers
+peers run the same layers, so every comparison stays exact (tests/test_kernels.py, tests/test_engine_testbed.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+from torch import nn
+
+from mirror_train import attention, kernels
+from mirror_train.kv_cache import GrowingLayer
+
+NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")  # weight * (x * rsqrt(mean(x²) + eps)), no offset
+_IGNORED = ("position_ids", "use_cache", "output_attentions", "cache_position")  # what the fused call needs not
+
+
+def supported(layer: nn.Module, config) -> bool:
+    """Whether `layer` is the pre-norm Llama-shaped block the C layer computes (and nothing more)."""
+    if set(dict(layer.named_children())) != {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    if set(dict(attn.named_children())) != {"q_proj", "k_proj", "v_proj", "o_proj"}:
+        return False
+    if set(dict(mlp.named_children())) - {"act_fn"} != {"gate_proj", "up_proj", "down_proj"}:
+        return False
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(type(n).__name__ not in NORMS or not hasattr(n, "variance_epsilon") for n in norms):
+        return False
+    if norms[0].variance_epsilon != norms[1].variance_epsilon:  # the C layer takes one
+        return False
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if any(type(m).__name__ not in ("Linear", "ExactLinear") for m in linears):
+        return False
+    head_dim = getattr(attn, "head_dim", 0)
+    return (
+        getattr(config, "hidden_act", None) == "silu"
+        and not getattr(config, "sliding_window", None)
+        and not getattr(attn, "sliding_window", None)
+        and 0 < head_dim <= 512
+        and head_dim % 2 == 0
+        and attn.q_proj.out_features % head_dim == 0
+        and attn.k_proj.out_features % head_dim == 0
+    )
+
+
+def install(model: nn.Module, on: bool = True) -> int:
+    """Make every supported decoder layer of `model` fused (on) or plain again; returns the number switched on."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        return 0
+    n = 0
+    for layer in layers:
+        base = getattr(type(layer), "_plain_class", type(layer))
+        if on and kernels.available() and supported(layer, model.config):
+            layer.__class__ = _fused_class(base)
+            layer.__dict__.pop("_fused_weights", None)
+            n += 1
+        else:
+            layer.__class__ = base
+    return n
+
+
+@functools.cache
+def _fused_class(base: type) -> type:
+    return type(f"Fused{base.__name__}", (FusedLayer, base), {"_plain_class": base})
+
+
+class FusedLayer(nn.Module):
+    """Mixed in before a decoder layer's own class (`install`): its forward takes the C layer where it applies."""
+
+    _plain_class: type
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        fused = None if args else self._fused_call(hidden_states, kwargs)
+        if fused is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        return fused()
+
+    def _fused_call(self, x: torch.Tensor, kwargs: dict):
+        """The fused computation as a thunk, or None where the layer's own forward must run (module docstring)."""
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        rope = kwargs.get("position_embeddings")
+        if (
+            cache is None
+            or rope is None
+            or self.training  # the module's dropout
+            or x.dtype != torch.float32
+            or rope[0].dtype != torch.float32
+            or x.device.type != "cpu"
+            or x.dim() != 3
+            or x.shape[0] != 1
+            or not 1 <= x.shape[1] <= kernels.MAX_ROWS
+            or x.requires_grad
+            or any(v is not None for k, v in kwargs.items() if k not in _IGNORED and k not in _READ)
+        ):
+            return None
+        weights = self._weights()
+        if weights is None:
+            return None
+        layer = cache.layers[weights.layer_idx]
+        if type(layer).__name__ == "DynamicLayer":  # a cache transformers made (generate): grow it in place
+            layer.__class__ = GrowingLayer
+        if type(layer) is not GrowingLayer or not layer.is_initialized:
+            return None
+        past, rows = layer.get_seq_length(), x.shape[1]
+        if past < 1:
+            return None
+        mask = kwargs.get("attention_mask")
+        runs = attention._runs(mask)
+        if runs is None and not attention._plain_causal_window(mask, rows, past + rows):
+            return None
+
+        def run():
+            keys, values = layer.reserve(rows)
+            out = kernels.decoder_layer(x, weights, rope[0], rope[1], keys, values, past, runs)
+            layer.extend(rows)
+            return out
+
+        return run
+
+    def __deepcopy__(self, memo):
+        """A copy is a plain layer (as fastpath's copies of its linears are): what it computes is then the module's."""
+        clone = self._plain_class.__new__(self._plain_class)
+        memo[id(self)] = clone
+        for key, value in self.__dict__.items():
+            if key != "_fused_weights":  # addresses into this layer's tensors
+                clone.__dict__[key] = copy.deepcopy(value, memo)
+        return clone
+
+    def _weights(self) -> kernels.LayerWeights | None:
+        """The C call's view of this layer's parameters (None: not float32), rebuilt when they have moved (a cast, a
+        copy: the first projection's storage tells). Held in the instance's __dict__: a module attribute lookup costs
+        a microsecond, and a step makes ~30 of these calls."""
+        cached = self.__dict__.get("_fused_weights")
+        if cached is not None and cached[0].data_ptr() == cached[1]:
+            return cached[2]
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        if any(p.dtype != torch.float32 for p in (*norms, *(m.weight for m in linears))):
+            return None
+        for m in linears:  # the C layer reads (N, K) rows in place
+            if not m.weight.is_contiguous():
+                m.weight.data = m.weight.data.contiguous()
+        eps = float(self.input_layernorm.variance_epsilon)
+        heads, kv_heads = attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim
+        scale = float(getattr(attn, "scaling", attn.head_dim**-0.5))
+        lw = kernels.layer_weights(
+            norms[0].detach(), norms[1].detach(), eps, linears, heads, kv_heads, attn.head_dim, scale, attn.layer_idx
+        )
+        self.__dict__["_fused_weights"] = (attn.q_proj.weight, attn.q_proj.weight.data_ptr(), lw)
+        return lw
+
+
+_READ = ("cache", "past_key_values", "position_embeddings", "attention_mask")

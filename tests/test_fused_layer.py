@@ -1,0 +1,148 @@
+"""Whole decoder layers as one C call (fused_layer.py, kernels.decoder_layer): which layers take it, that it computes
+the module's function, that a window is its one-token steps bit for bit, and that every build computes the same."""
+
+from __future__ import annotations
+
+import copy
+import platform
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from mirror_train import fastpath, fused_layer, kernels
+from mirror_train.random_models import tiny_config, tiny_model
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the kernel")
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """How many layer calls the C layer served (so a test knows the path under test ran)."""
+    calls = [0]
+    real = kernels.decoder_layer
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "decoder_layer", counted)
+    return calls
+
+
+def _decode(model, ids, prompt, rows):
+    """Logits of ids[prompt:], fed after a prefill of ids[:prompt] in windows of `rows` tokens (a DynamicCache, as
+    transformers' generate makes)."""
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(ids[:, :prompt], cache=cache, use_cache=True)
+        out = []
+        for start in range(prompt, ids.shape[1], rows):
+            out.append(model(ids[:, start : start + rows], cache=cache, use_cache=True).logits)
+    return torch.cat(out, 1)
+
+
+def _check_family(family: str, calls: list[int]):
+    plain = tiny_model(family)
+    if family == "qwen2":  # Qwen2's q/k/v biases are zero when initialised: make them count
+        with torch.no_grad():
+            for layer in plain.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    fused = copy.deepcopy(plain)
+    assert fastpath.install(fused, "exact") == "exact"
+    assert all(type(layer).__name__.startswith("Fused") for layer in fused.model.layers)
+    ids = torch.randint(0, 128, (1, 29), generator=torch.Generator().manual_seed(3))
+    reference = _decode(plain, ids, 9, 1)
+    before = calls[0]
+    steps = _decode(fused, ids, 9, 1)
+    assert calls[0] - before == 20 * len(fused.model.layers)  # every decode step of every layer took the C layer
+    torch.testing.assert_close(steps, reference, atol=1e-4, rtol=1e-4)  # the module's function, to the last bits
+    assert torch.equal(steps.argmax(-1), reference.argmax(-1))
+    for rows in (2, 5, 8, 20):  # a window is its one-token steps, bit for bit
+        assert torch.equal(_decode(fused, ids, 9, rows), steps), rows
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_fused_layer_is_the_modules_function_and_a_window_is_its_one_token_steps(family, fused_calls):
+    _check_family(family, fused_calls)
+
+
+@needs_kernel
+def test_a_mistral_without_a_sliding_window_is_fused_and_other_layers_stay_plain():
+    """Only the block the C layer computes is fused: a sliding window, Qwen3's q/k norms, Gemma's offset norms and
+    softcaps keep the model's own forward."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config("mistral")
+    cfg.sliding_window = None
+    cfg._attn_implementation = "eager"
+    assert fused_layer.install(AutoModelForCausalLM.from_config(cfg).eval()) == 4
+    for family in ("mistral", "qwen3", "gemma2", "gemma3_text"):
+        model = tiny_model(family)
+        assert fused_layer.install(model) == 0, family
+        assert not any(type(layer).__name__.startswith("Fused") for layer in model.model.layers)
+
+
+@needs_kernel
+def test_the_layer_falls_back_where_it_does_not_apply_and_a_copy_is_plain(fused_calls):
+    """A prompt's prefill, a batch, bfloat16 weights and gradients run the module's own forward; a deep copy (a cast,
+    Target.cast) is a plain layer; switching off restores the class."""
+    model = tiny_model()
+    fastpath.install(model, "exact")
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        model(ids)  # batch 2, no cache
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :8], cache=cache, use_cache=True)  # a batch of two after their prefill
+        model(ids[:, 8:], cache=cache, use_cache=True)
+    assert fused_calls[0] == 0
+    clone = copy.deepcopy(model)
+    assert not any(type(layer).__name__.startswith("Fused") for layer in clone.model.layers)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    for layer in half.model.layers:
+        assert layer._weights() is None if hasattr(layer, "_weights") else True
+    with torch.enable_grad():
+        x = model.model.embed_tokens(ids[:1, :4]).detach().requires_grad_(True)
+        model(inputs_embeds=x).logits.sum().backward()
+        assert x.grad is not None
+    assert fused_calls[0] == 0
+    fused_layer.install(model, False)
+    assert not any(type(layer).__name__.startswith("Fused") for layer in model.model.layers)
+
+
+@needs_kernel
+def test_transformers_generate_on_a_fused_model_is_its_stepwise_greedy(fused_calls):
+    """transformers' generate (a DynamicCache made inside) runs the same fused layers as the engine's own stepping,
+    so a peer method in the benchmark and the served target compute one function."""
+    model = tiny_model()
+    fastpath.install(model, "exact")
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert fused_calls[0] == 11 * len(model.model.layers)  # the first token comes from the prefill
+    tokens = ids
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        logits = model(tokens, cache=cache, use_cache=True).logits
+        for _ in range(12):
+            nxt = logits[:, -1:].argmax(-1)
+            tokens = torch.cat([tokens, nxt], 1)
+            logits = model(nxt, cache=cache, use_cache=True).logits
+    assert torch.equal(out, tokens)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not kernels.available(), reason="x86-64 builds")
+@pytest.mark.parametrize("arch", ["x86-64-v3", "x86-64"])
+def test_the_avx2_and_scalar_builds_fuse_the_same_function(arch, monkeypatch, tmp_path, fused_calls):
+    """The AVX2 machines (no AVX-512) and plain x86-64 get their own layer code (the vector exponential, the norm's
+    sums): built here and checked like the native build."""
+    monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))
+    monkeypatch.setenv("MIRROR_TRAIN_KERNEL_ARCH", arch)
+    kernels._library.cache_clear()
+    try:
+        assert kernels.available()
+        _check_family("qwen2", fused_calls)
+    finally:
+        kernels._library.cache_clear()
