@@ -17,6 +17,10 @@ embeddings) untouched:
   the rows of a call, whichever of torch's path, oneDNN and the row-exact kernel measured fastest at install. A
   draft's tree forwards run 1 to ~50 rows, and no one path wins across them (measured: docs/engine.md, twelfth
   session: the kernel at 1–4 rows, oneDNN from ~8 in bf16 on an AMD EPYC).
+Past MAX_ROWS rows (a prompt's prefill) `exact` and `fastest` take whichever of torch's GEMM and oneDNN's (on the
+weight as it is, no second copy) measured faster for that layer shape on this machine (`prefill_path`): on an AMD
+EPYC Zen 5 torch's MKL GEMM ran at ~100 GFLOP/s and oneDNN's 2.3× that, halving the testbed's prefill (sixteenth
+session). Windows never reach it, so they stay row-exact.
 Each computes the same function as the plain model, rounding differently in the last bits (float32 logits within
 ~1e-4). Lossless is unaffected: every method is verified by the same served model, and the engine's output is that
 model's own greedy output (tests/test_engine_testbed.py).
@@ -30,6 +34,7 @@ prompt against transformers' bf16 generate), though its windows are then exact o
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -99,6 +104,8 @@ def install(model: nn.Module, kind: str = "auto") -> str:
     for module in linears:
         for key in ("_packed", "_packed_dtype", "min_rows", "routes"):  # an earlier install's
             module.__dict__.pop(key, None)
+        if kind in ("exact", "fastest"):  # timed now, not inside the first request
+            prefill_path(tuple(module.weight.shape), module.bias is not None, module.weight.dtype)
     if kind == "exact":
         for module in linears:
             module.__class__ = ExactLinear
@@ -178,22 +185,57 @@ def _plain_copy(module: nn.Linear, memo: dict, drop: tuple[str, ...]) -> nn.Line
 
 class ExactLinear(nn.Linear):
     """An nn.Linear whose inference forward runs the row-exact kernel (kernels.py) for float32 or bfloat16 CPU calls
-    of up to `kernels.MAX_ROWS` rows; anything else (training, a prompt's prefill, another dtype) takes torch's path."""
+    of up to `kernels.MAX_ROWS` rows; a prompt's prefill takes the GEMM measured faster here (`prefill_path`);
+    anything else (training, another dtype or device) takes torch's path."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (
             w.dtype not in kernels.WEIGHT_DTYPES
             or x.device.type != "cpu"
-            or x.numel() > kernels.MAX_ROWS * self.in_features
             or not w.is_contiguous()
             or (torch.is_grad_enabled() and w.requires_grad)
         ):
             return nn.functional.linear(x, w, self.bias)
+        if x.numel() > kernels.MAX_ROWS * self.in_features:
+            return prefill_linear(x, w, self.bias)
         return kernels.linear(x, w, self.bias)
 
     def __deepcopy__(self, memo):
         return _plain_copy(self, memo, ())
+
+
+PREFILL_ROWS = 2 * kernels.MAX_ROWS  # the rows `prefill_path` times a layer shape at
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's GEMM on the weight as stored (it reorders internally; no prepacked copy kept)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A many-row CPU linear (a prompt's prefill) on the GEMM measured faster for its shape on this machine."""
+    if x.dtype == weight.dtype and prefill_path(tuple(weight.shape), bias is not None, weight.dtype) == "onednn":
+        return onednn_linear(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
+
+
+@functools.cache
+def prefill_path(shape: tuple[int, int], bias: bool, dtype: torch.dtype) -> str:
+    """"onednn" or "torch": the faster GEMM for PREFILL_ROWS rows of this layer shape, timed once per process (a
+    property of the machine and the shape, not of the weights: random ones of that shape are timed)."""
+    if not torch.backends.mkldnn.is_available():
+        return "torch"
+    n, k = shape
+    with torch.inference_mode():
+        x, w = torch.randn(1, PREFILL_ROWS, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+        b = torch.randn(n, dtype=dtype) if bias else None
+        try:
+            onednn = median_ms(lambda: onednn_linear(x, w, b), repeats=3, warmup=1)
+        except RuntimeError:  # a oneDNN build without this op or dtype
+            return "torch"
+        plain = median_ms(lambda: nn.functional.linear(x, w, b), repeats=3, warmup=1)
+    return "onednn" if onednn < plain else "torch"
 
 
 class PackedLinear(nn.Linear):
@@ -240,10 +282,11 @@ class RoutedLinear(PackedLinear):
             not self.routes
             or x.device.type != "cpu"
             or x.dtype != self.weight.dtype
-            or rows > ROUTE_ROWS[-1]
             or (torch.is_grad_enabled() and self.weight.requires_grad)
         ):
             return nn.functional.linear(x, self.weight, self.bias)
+        if rows > ROUTE_ROWS[-1]:
+            return prefill_linear(x, self.weight, self.bias)
         return self.run(x, self.routes[bisect.bisect_left(ROUTE_ROWS, rows)])
 
     def __deepcopy__(self, memo):

@@ -8,7 +8,8 @@ the default and the fast forward path (mirror_train/fastpath.py), one thread, as
 - step_ms / default_step_ms: median ms of a forward of 1, 2, 4, 8, 16 new tokens after `--context` cached
   positions (the cache cropped back after each), on the fast path (`auto`: the row-exact kernels where they build)
   and on torch's default path (its linears, the row-invariant attention's one SDPA call a row); onednn_step_ms the
-  same on oneDNN's prepacked linears, for comparison (where torch has oneDNN);
+  same on oneDNN's prepacked linears, for comparison (where torch has oneDNN); each path on its own copy of the
+  target, every (path, width) timed in turn round after round;
 - draft_ms (with --draft): the draft's tree forward of one node with its streams, on the same thread, and its
   ratio to the target's one-token step.
 Prints a Markdown table, or one JSON object with --json.
@@ -35,7 +36,8 @@ def read_bandwidth_gbs(gigabytes: float = 1.0) -> float:
     return x.numel() * 4 / ms / 1e6
 
 
-def step_times(target: Target, context: int, repeats: int) -> dict[int, float]:
+def step_fns(target: Target, context: int) -> dict:
+    """Width → a forward of that many new tokens after `context` cached positions (the cache cropped back after)."""
     ids = torch.randint(0, target.vocab_size, (1, context + max(WIDTHS)), generator=torch.Generator().manual_seed(0))
     cache = target.new_cache()
     target.forward(ids[:, :context], cache)
@@ -44,7 +46,15 @@ def step_times(target: Target, context: int, repeats: int) -> dict[int, float]:
         target.forward(ids[:, context : context + w], cache)
         Target.crop(cache, context)
 
-    return interleaved_median_ms({w: (lambda w=w: step(w)) for w in WIDTHS}, repeats=repeats)
+    return {w: (lambda w=w: step(w)) for w in WIDTHS}
+
+
+def step_times(targets: dict[str, Target], context: int, repeats: int) -> dict[str, dict[int, float]]:
+    """Each path's step times, every (path, width) timed in turn round after round: measured one path after the
+    other, the path timed first read up to ~20% slow on a Zen 5 (sixteenth session), as widths did (timing.py)."""
+    fns = {(path, w): fn for path, target in targets.items() for w, fn in step_fns(target, context).items()}
+    times = interleaved_median_ms(fns, repeats=repeats)
+    return {path: {w: times[(path, w)] for w in WIDTHS} for path in targets}
 
 
 def draft_step(target: Target, path: str, context: int, dtype: torch.dtype):
@@ -81,17 +91,19 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    # one copy of the target per path (each loaded as served), so their steps interleave: no path is timed first
     target = Target.load(args.target)
     weights = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    targets = {"default": target}
+    if torch.backends.mkldnn.is_available():
+        targets["onednn"] = Target.load(args.target)
+        fastpath.install(targets["onednn"].model, "onednn")
+    targets["fast"] = Target.load(args.target)
+    kind = fastpath.install(targets["fast"].model, "auto")
     with torch_threads(1), torch.inference_mode():
         bandwidth = read_bandwidth_gbs()
-        default = step_times(target, args.context, args.repeats)
-        onednn = None
-        if torch.backends.mkldnn.is_available():
-            fastpath.install(target.model, "onednn")
-            onednn = step_times(target, args.context, args.repeats)
-        kind = fastpath.install(target.model, "auto")
-        fast = step_times(target, args.context, args.repeats)
+        times = step_times(targets, args.context, args.repeats)
+    default, fast, onednn = times["default"], times["fast"], times.get("onednn")
     result = {
         "cpu": cpu_model(),
         "torch": torch.__version__,
@@ -109,7 +121,7 @@ def main() -> None:
         with torch_threads(1):
             dtype = resolve_dtype(args.draft_dtype, "cpu")
             result["draft_dtype"] = str(dtype).removeprefix("torch.")
-            result["draft_ms"] = round(draft_time(target, args.draft, args.context, args.repeats, dtype), 2)
+            result["draft_ms"] = round(draft_time(targets["fast"], args.draft, args.context, args.repeats, dtype), 2)
         result["draft_over_step"] = round(result["draft_ms"] / result["step_ms"][1], 3)
     if args.json:
         print(json.dumps(result))

@@ -245,3 +245,26 @@ def test_without_a_compiler_the_kernel_is_unavailable_and_auto_falls_back(monkey
             fastpath.resolve("exact", "cpu", torch.float32)
     finally:
         kernels._library.cache_clear()
+
+
+@needs_kernel
+def test_a_prefill_past_the_kernels_rows_takes_the_gemm_measured_faster_and_computes_the_same_function():
+    """A prompt's prefill (more than MAX_ROWS rows) runs torch's or oneDNN's GEMM, whichever was timed faster for
+    the shape at install (an AMD EPYC's MKL GEMM ran at less than half oneDNN's speed): the linear's function."""
+    from mirror_train.random_models import tiny_model
+
+    model = tiny_model()
+    ids = torch.randint(0, 128, (1, kernels.MAX_ROWS + 30), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        plain = model(ids).logits
+        fastpath.install(model, "exact")
+        fast = model(ids).logits
+    torch.testing.assert_close(fast, plain, atol=1e-4, rtol=1e-4)
+    shape = tuple(model.lm_head.weight.shape)
+    assert fastpath.prefill_path.cache_info().currsize > 0  # timed at install, not in the first request
+    assert fastpath.prefill_path(shape, False, torch.float32) in ("torch", "onednn" * torch.backends.mkldnn.is_available())
+    x = torch.randn(kernels.MAX_ROWS + 1, 32)
+    w, b = torch.randn(48, 32), torch.randn(48)
+    torch.testing.assert_close(fastpath.prefill_linear(x, w, b), nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    if torch.backends.mkldnn.is_available():
+        torch.testing.assert_close(fastpath.onednn_linear(x, w, b), nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
