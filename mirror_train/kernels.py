@@ -9,13 +9,17 @@ by the rows beside it (a one-row product goes to a GEMV, ~1e-5 apart); torch's f
 causal window differently from one-row decoding, so exactness took k separate attention calls a layer.
 - `linear`: streams each weight row once a call and reuses it from L1 for every input row (1 weight row × the 1–2
   input rows a block for calls of 1–2 rows, 4 weight rows × up to 4 input rows, 3 weight rows × up to 8 input rows
-  from 5 rows on where 8 input rows fit L1, the next block's weight rows prefetched: each measured fastest at its rows); per output, explicit FMAs over the same k-chunks, then
+  from 5 rows on where 8 input rows fit L1, the next block's weight rows prefetched: each measured fastest at its
+  rows); per output, explicit FMAs over the same k-chunks, then
   the same horizontal sum, so the block shape changes no bit. One weight stream at a time reads memory faster than
   four interleaved ones: on a Zen 5 core a one-row call over 113–230 MB of weights ran at 32 GB/s against 27 (a
   plain sum reads 34–36; docs/engine.md, fifteenth session).
 - `attention`: for each head and query row, the scores over exactly the keys that row sees, a max, exponentials
   (a fixed polynomial) summed in order, and the values accumulated in order: a function of the row's query and its
   keys alone, so a window row is the one-token step at that position.
+- `decoder_layer`: a whole pre-norm Llama-shaped decoder layer (RMSNorm, the seven linears above, rotary, the cache
+  write, the attention above, SiLU, residuals) in one call, every step row by row, so it keeps the same property
+  and spares the ~40 torch ops around each layer's kernels (fused_layer.py decides where it applies).
 
 Built once per machine with the system C compiler (`cc -O3 -march=native`, under a second) into
 ~/.cache/mirror-train/kernels (or $MIRROR_TRAIN_KERNELS), keyed by the source and the CPU's flags, and loaded with
