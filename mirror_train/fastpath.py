@@ -222,8 +222,8 @@ def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 @functools.cache
 def prefill_path(shape: tuple[int, int], bias: bool, dtype: torch.dtype) -> str:
-    """"onednn" or "torch": the faster GEMM for PREFILL_ROWS rows of this layer shape, timed once per process (a
-    property of the machine and the shape, not of the weights: random ones of that shape are timed)."""
+    """Which GEMM, "onednn" or "torch", is the faster for PREFILL_ROWS rows of this layer shape, timed once per
+    process (a property of the machine and the shape, not of the weights: random ones of that shape are timed)."""
     if not torch.backends.mkldnn.is_available():
         return "torch"
     n, k = shape

@@ -28,7 +28,17 @@ from mirror_train import attention, kernels
 from mirror_train.kv_cache import GrowingLayer
 
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")  # weight * (x * rsqrt(mean(x²) + eps)), no offset
-_IGNORED = ("position_ids", "use_cache", "output_attentions", "cache_position")  # what the fused call needs not
+# The keyword arguments the fused call reads (the first four) or need not; with any other one set the module runs.
+_KNOWN = (
+    "cache",
+    "past_key_values",
+    "position_embeddings",
+    "attention_mask",
+    "position_ids",
+    "use_cache",
+    "output_attentions",
+    "cache_position",
+)
 
 
 def supported(layer: nn.Module, config) -> bool:
@@ -45,8 +55,7 @@ def supported(layer: nn.Module, config) -> bool:
         return False
     if norms[0].variance_epsilon != norms[1].variance_epsilon:  # the C layer takes one
         return False
-    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if any(type(m).__name__ not in ("Linear", "ExactLinear") for m in linears):
+    if any(type(m).__name__ not in ("Linear", "ExactLinear") for m in _linears(layer)):
         return False
     head_dim = getattr(attn, "head_dim", 0)
     return (
@@ -58,6 +67,12 @@ def supported(layer: nn.Module, config) -> bool:
         and attn.q_proj.out_features % head_dim == 0
         and attn.k_proj.out_features % head_dim == 0
     )
+
+
+def _linears(layer: nn.Module) -> tuple[nn.Linear, ...]:
+    """q, k, v, o, gate, up, down: the order the C layer takes them in."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
 
 def install(model: nn.Module, on: bool = True) -> int:
@@ -109,7 +124,7 @@ class FusedLayer(nn.Module):
             or x.shape[0] != 1
             or not 1 <= x.shape[1] <= kernels.MAX_ROWS
             or x.requires_grad
-            or any(v is not None for k, v in kwargs.items() if k not in _IGNORED and k not in _READ)
+            or any(v is not None for k, v in kwargs.items() if k not in _KNOWN)
         ):
             return None
         weights = self._weights()
@@ -152,8 +167,7 @@ class FusedLayer(nn.Module):
         cached = self.__dict__.get("_fused_weights")
         if cached is not None and cached[0].data_ptr() == cached[1]:
             return cached[2]
-        attn, mlp = self.self_attn, self.mlp
-        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        attn, linears = self.self_attn, _linears(self)
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
         if any(p.dtype != torch.float32 for p in (*norms, *(m.weight for m in linears))):
             return None
@@ -168,6 +182,3 @@ class FusedLayer(nn.Module):
         )
         self.__dict__["_fused_weights"] = (attn.q_proj.weight, attn.q_proj.weight.data_ptr(), lw)
         return lw
-
-
-_READ = ("cache", "past_key_values", "position_embeddings", "attention_mask")

@@ -190,14 +190,14 @@ LINEAR(BF16, uint16_t)
 #define VFNMADD(a, b, c) _mm512_fnmadd_ps(a, b, c)
 #define VROUND(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define VPOW2(p, n) _mm512_scalef_ps(p, n)
-#define _DIV(a, b) _mm512_div_ps(a, b)
+#define VDIV(a, b) _mm512_div_ps(a, b)
 #elif LANES == 8
 #define VSET(c) _mm256_set1_ps(c)
 #define VMAX(a, b) _mm256_max_ps(a, b)
 #define VMUL(a, b) _mm256_mul_ps(a, b)
 #define VFNMADD(a, b, c) _mm256_fnmadd_ps(a, b, c)
 #define VROUND(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define _DIV(a, b) _mm256_div_ps(a, b)
+#define VDIV(a, b) _mm256_div_ps(a, b)
 #define VPOW2(p, n) /* the exponent field of 2^n built directly */ \
     _mm256_mul_ps(p, _mm256_castsi256_ps(                           \
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)))
@@ -476,7 +476,7 @@ static void rotary(float *q, int64_t M, int64_t heads, int64_t D, const float *c
 #if LANES > 1
 static inline vec vsilu(vec g) {  /* g / (1 + exp(-g)), exp over the whole float range */
     vec e = vexp(VSUB(VZERO(), VMAX(g, VSET(-88.0f))));
-    return _DIV(g, VADD(VSET(1.0f), e));
+    return VDIV(g, VADD(VSET(1.0f), e));
 }
 #endif
 
@@ -699,8 +699,27 @@ def decoder_layer(
         runs = runs.to(torch.int64).contiguous()
         r = tuple(runs[j].data_ptr() for j in range(3))
     _library().decoder_layer_f32(
-        out.data_ptr(), m, hidden, lw.ln1.data_ptr(), lw.ln2.data_ptr(), lw.eps, lw.weights, lw.biases,
-        inter, lw.heads, lw.kv_heads, lw.head_dim, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
-        values.data_ptr(), keys.stride(1), keys.stride(2), past, lw.scale, *r, scratch.data_ptr(),
+        out.data_ptr(),
+        m,
+        hidden,
+        lw.ln1.data_ptr(),
+        lw.ln2.data_ptr(),
+        lw.eps,
+        lw.weights,
+        lw.biases,
+        inter,
+        lw.heads,
+        lw.kv_heads,
+        lw.head_dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        keys.stride(1),
+        keys.stride(2),
+        past,
+        lw.scale,
+        *r,
+        scratch.data_ptr(),
     )
     return out.view(1, m, hidden)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,24 @@ def tiny_target(tiny_model_dir):
     from mirror_train.target import Target
 
     return Target.load(str(tiny_model_dir))
+
+
+@pytest.fixture(params=["x86-64-v3", "x86-64"])
+def other_kernel_build(request, monkeypatch, tmp_path):
+    """The row-exact kernels rebuilt, for one test, as the AVX2 machines this project runs on (no AVX-512) and plain
+    x86-64 build them (-march=x86-64-v3, -march=x86-64): their own code paths, checked like the native build."""
+    from mirror_train import kernels
+
+    if platform.machine() not in ("x86_64", "AMD64") or not kernels.available():
+        pytest.skip("x86-64 builds")
+    monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))
+    monkeypatch.setenv("MIRROR_TRAIN_KERNEL_ARCH", request.param)
+    kernels._library.cache_clear()
+    try:
+        assert kernels.available()
+        yield request.param
+    finally:
+        kernels._library.cache_clear()
 
 
 # Why a bit-exactness test of low-precision windows skips on some machines (Target.exact_windows).
