@@ -183,6 +183,12 @@ def _plain_copy(module: nn.Linear, memo: dict, drop: tuple[str, ...]) -> nn.Line
     return clone
 
 
+def _needs_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a call must be differentiable: the kernel and oneDNN's ops have no backward, so gradients to the
+    input (through a frozen layer) or to the weight take torch's path."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+
+
 class ExactLinear(nn.Linear):
     """An nn.Linear whose inference forward runs the row-exact kernel (kernels.py) for float32 or bfloat16 CPU calls
     of up to `kernels.MAX_ROWS` rows; a prompt's prefill takes the GEMM measured faster here (`prefill_path`);
@@ -190,12 +196,7 @@ class ExactLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (
-            w.dtype not in kernels.WEIGHT_DTYPES
-            or x.device.type != "cpu"
-            or not w.is_contiguous()
-            or (torch.is_grad_enabled() and w.requires_grad)
-        ):
+        if w.dtype not in kernels.WEIGHT_DTYPES or x.device.type != "cpu" or not w.is_contiguous() or _needs_grad(x, w):
             return nn.functional.linear(x, w, self.bias)
         if x.numel() > kernels.MAX_ROWS * self.in_features:
             return prefill_linear(x, w, self.bias)
@@ -255,7 +256,7 @@ class PackedLinear(nn.Linear):
         packed = self.__dict__.get("_packed")
         plain = packed is None or x.dtype != self._packed_dtype or x.device.type != "cpu"
         plain = plain or x.numel() < self.min_rows * self.in_features
-        if plain or (torch.is_grad_enabled() and self.weight.requires_grad):  # training, a cast copy: the plain path
+        if plain or _needs_grad(x, self.weight):  # training, a cast copy: the plain path
             return nn.functional.linear(x, self.weight, self.bias)
         return self.packed(x)
 
@@ -278,12 +279,7 @@ class RoutedLinear(PackedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if (
-            not self.routes
-            or x.device.type != "cpu"
-            or x.dtype != self.weight.dtype
-            or (torch.is_grad_enabled() and self.weight.requires_grad)
-        ):
+        if not self.routes or x.device.type != "cpu" or x.dtype != self.weight.dtype or _needs_grad(x, self.weight):
             return nn.functional.linear(x, self.weight, self.bias)
         if rows > ROUTE_ROWS[-1]:
             return prefill_linear(x, self.weight, self.bias)

@@ -124,6 +124,7 @@ class FusedLayer(nn.Module):
             or x.shape[0] != 1
             or not 1 <= x.shape[1] <= kernels.MAX_ROWS
             or x.requires_grad
+            or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))  # no backward in C
             or any(v is not None for k, v in kwargs.items() if k not in _KNOWN)
         ):
             return None

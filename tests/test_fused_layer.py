@@ -110,6 +110,11 @@ def test_the_layer_falls_back_where_it_does_not_apply_and_a_copy_is_plain(fused_
         x = model.model.embed_tokens(ids[:1, :4]).detach().requires_grad_(True)
         model(inputs_embeds=x).logits.sum().backward()
         assert x.grad is not None
+        cache = DynamicCache(config=model.config)  # a cached window, inputs without gradients, weights with them
+        model(ids[:1, :8], cache=cache, use_cache=True)
+        model.requires_grad_(False).model.layers[0].mlp.down_proj.weight.requires_grad_(True)
+        model(ids[:1, 8:10], cache=cache, use_cache=True).logits.sum().backward()
+        assert model.model.layers[0].mlp.down_proj.weight.grad is not None
     assert fused_calls[0] == 0
     fused_layer.install(model, False)
     assert not any(type(layer).__name__.startswith("Fused") for layer in model.model.layers)

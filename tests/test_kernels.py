@@ -258,3 +258,17 @@ def test_a_prefill_past_the_kernels_rows_takes_the_gemm_measured_faster_and_comp
     if torch.backends.mkldnn.is_available():
         reference = nn.functional.linear(x, w, b)
         torch.testing.assert_close(fastpath.onednn_linear(x, w, b), reference, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["exact", "fastest"])
+def test_gradients_reach_the_input_through_a_frozen_fast_linear(kind):
+    """The kernel and oneDNN's ops have no backward: a call whose input needs a gradient takes torch's path even
+    when the layer itself is frozen (a draft trained through the target's frozen LM head)."""
+    from mirror_train.random_models import tiny_model
+
+    model = tiny_model().requires_grad_(False)
+    fastpath.install(model, kind)
+    x = torch.randn(3, model.config.hidden_size, requires_grad=True)
+    model.lm_head(x).sum().backward()
+    torch.testing.assert_close(x.grad, model.lm_head.weight.sum(0).expand(3, -1))
