@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import inspect
 import logging
+import os
 import re
 import sys
 import typing
@@ -132,6 +133,44 @@ def _add_distill_data(sub) -> None:
     p.set_defaults(func=_distill_data)
 
 
+def _datastore(ns: argparse.Namespace) -> None:
+    from mirror_train.data.selfdistill import answer_sequences, load_selfdistill
+    from mirror_train.datastore import Datastore, DatastoreConfig
+
+    cfg = options_to_dataclass(DatastoreConfig, ns)
+    store = Datastore.build(answer_sequences(load_selfdistill(ns.data), cfg.prompt_tail), cfg)
+    out = ns.out
+    if out is None:
+        from mirror_train.models.draft_artifact import DATASTORE_FILE
+
+        out = os.path.join(ns.draft, DATASTORE_FILE) if ns.draft else None
+    if out is None:
+        raise MirrorTrainError("give --draft (an exported draft, which then serves with it) or --out")
+    store.save(out)
+    m = store.meta
+    print(
+        f"wrote {out}: {len(store)} n-grams ({m['min_n']}..{m['max_n']}) from {m['sequences']} answers, "
+        f"{m['tokens']} tokens"
+    )
+
+
+def _add_datastore(sub) -> None:
+    from mirror_train.datastore import DatastoreConfig
+
+    p = sub.add_parser(
+        "datastore",
+        help="an n-gram datastore of the target's own answers, which sd and mirror copy from beside prompt lookup",
+        description="Builds the datastore from a self-distilled dataset (the recipes' data.dir/selfdistill) and "
+        "writes it into an exported draft (--draft: the engine's datastore=auto then serves with it) or to --out. "
+        "recipes/drafter.py exports one with every draft (model.datastore).",
+    )
+    p.add_argument("--data", required=True, help="a self-distilled dataset, e.g. outputs/data/smollm2/selfdistill")
+    p.add_argument("--draft", default=None, help="an exported draft to add datastore.npz to")
+    p.add_argument("--out", default=None, help="or: where to write the .npz")
+    add_dataclass_options(p, DatastoreConfig)
+    p.set_defaults(func=_datastore)
+
+
 def _push(ns: argparse.Namespace) -> None:
     from mirror_train.export import push_to_hub
 
@@ -215,7 +254,7 @@ def _run(prog: str, builders: Sequence[Callable], argv: Sequence[str] | None) ->
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:
-    return _run("mirror-train", [_add_fetch, _add_sweep, _add_distill_data, _add_push], argv)
+    return _run("mirror-train", [_add_fetch, _add_sweep, _add_distill_data, _add_datastore, _add_push], argv)
 
 
 def eval_main(argv: Sequence[str] | None = None) -> int:

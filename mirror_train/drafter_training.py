@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -38,6 +39,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from mirror_train.data.features import FeatureCache, pack_rows
 from mirror_train.data.pipeline import DataConfig, cached_layers, feature_dirs
+from mirror_train.data.selfdistill import answer_sequences, load_selfdistill
+from mirror_train.datastore import Datastore, DatastoreConfig
 from mirror_train.errors import MirrorTrainError
 from mirror_train.losses import lookahead_ce_loss, topk_kl_loss
 from mirror_train.models.drafter import MirrorDrafterForCausalLM, paired_features
@@ -123,6 +126,7 @@ class DrafterRunConfig:
     train: DrafterTrainConfig = field(default_factory=DrafterTrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    datastore: DatastoreConfig = field(default_factory=DatastoreConfig)  # exported beside the draft (datastore.py)
 
 
 # --- data -----------------------------------------------------------------------------------------------------
@@ -151,6 +155,15 @@ def open_caches(cfg: DrafterRunConfig, target) -> tuple[FeatureCache, FeatureCac
 
 def _reads_final(model: DrafterModelConfig) -> bool:
     return model.feature_conditioning == "target_hidden" and "final" in model.feature_slots
+
+
+def build_datastore(cfg: DrafterRunConfig) -> Datastore | None:
+    """The datastore of the target's own answers (the data's self-distilled set) exported beside the draft, or None
+    where `datastore.enabled` is off."""
+    if not cfg.datastore.enabled:
+        return None
+    answers = load_selfdistill(Path(cfg.data.dir) / "selfdistill")
+    return Datastore.build(answer_sequences(answers, cfg.datastore.prompt_tail), cfg.datastore)
 
 
 # --- the draft ------------------------------------------------------------------------------------------------

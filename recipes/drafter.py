@@ -6,7 +6,7 @@ setup (config, target, the data and feature caches, shared with the proxy head's
 vocabulary, freezing or LoRA) → loop (KL to the target's top-k on the main stream, CE on the target's later
 choices on the lookahead streams, the training-time-test steps, held-out agreement, checkpoints; resumes from the
 newest checkpoint in output_dir) → export (a self-describing artifact in output_dir/export that
-`AutoModelForCausalLM` and `load_draft` load).
+`AutoModelForCausalLM` and `load_draft` load, with a datastore of the target's own answers beside it).
 """
 
 from mirror_train.config import config_to_dict
@@ -14,6 +14,7 @@ from mirror_train.data.pipeline import prepare_data
 from mirror_train.data.samplers import WindowSampler
 from mirror_train.drafter_training import (
     DrafterRunConfig,
+    build_datastore,
     build_draft,
     data_layers,
     drafter_loss,
@@ -49,7 +50,8 @@ def main(cfg: DrafterRunConfig) -> None:
     # --- export --------------------------------------------------------------------------------------------------
     if accelerator.is_main_process:
         metrics = evaluate_drafter(inner, heldout)
-        path = save_draft(inner, out / "export", target, metrics, extra={"steps": step, "run": config_to_dict(cfg)})
+        extra = {"steps": step, "run": config_to_dict(cfg)}
+        path = save_draft(inner, out / "export", target, metrics, extra, datastore=build_datastore(cfg))
         accelerator.print(
             f"exported {path}: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k != "positions")
         )

@@ -7,10 +7,10 @@ interleaved per question, and the engine's per-step statistics (StepStats) summe
 A variant is a method, optionally with suffixes that change the engine: `-noforks` (forked windows off:
 EngineConfig.forked_windows=False), `-unpriced` (the cores' contention not priced: price_contention=False),
 `-draftonednn` (the draft served on oneDNN's linears and torch's SDPA, as before the twelfth session:
-draft_fast_path=onednn), so one run compares with and without them. Per variant: tokens/s over the questions
+draft_fast_path=onednn), `-nostore` (no datastore of the target's answers: datastore=off), so one run compares with and without them. Per variant: tokens/s over the questions
 (prefill included, Spec-Bench's convention), committed tokens per step, drafted rows verified per step, the share of
 steps verifying a forked window and of those where its second chain was kept, and the mean ms a step of the target's
-prefix, suffix and of the wait for the next window; the share of steps whose next window is a copy (source ngram)
+prefix, suffix and of the wait for the next window; the share of steps whose next window is a copy (source ngram), a datastore's continuation (store)
 and that reused a branch rolled out during the suffix, and the draft's serial rollout ms a step. Every answer is
 checked against ar's, token for token. Prints a Markdown table, then a second one that splits each drafting variant's
 steps by how their next window was made (a plain step, a copy, the model's tokens; drafted after the verdict,
@@ -36,6 +36,7 @@ SUFFIXES = {
     "-noforks": ("forked_windows", False),
     "-unpriced": ("price_contention", False),
     "-draftonednn": ("draft_fast_path", "onednn"),  # the draft served as before the twelfth session (bf16 CPUs)
+    "-nostore": ("datastore", "off"),  # no datastore of the target's answers beside prompt lookup (datastore.py)
 }
 
 
@@ -85,9 +86,9 @@ def main() -> None:
     print(f"\n{len(questions)} questions × ≤ {args.max_new_tokens} tokens, {cpu_model()}\n")
     print(
         "| variant | tok/s | vs ar | committed / step | rows / step | forked | 2nd chain kept | prefix ms | "
-        "suffix ms | wait ms | step ms | copy windows | reused | fallback ms | lossless |"
+        "suffix ms | wait ms | step ms | copy windows | store windows | reused | fallback ms | lossless |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     ar_rate = statistics.mean(g.tokens_per_s for _, g, _ in rows["ar"])
     for v, got in rows.items():
         steps = [s for _, g, _ in got for s in g.steps[1:]]  # the prefill aside
@@ -102,6 +103,7 @@ def main() -> None:
             f"{len(forked) / max(len(steps), 1):.2f} | {sum(s.alt_kept for s in forked) / max(len(forked), 1):.2f} | "
             f"{mean('prefix_ms'):.1f} | {mean('suffix_ms'):.1f} | {mean('wait_ms'):.1f} | {mean('step_ms'):.1f} | "
             f"{sum(s.source == 'ngram' for s in steps) / max(len(steps), 1):.2f} | "
+            f"{sum(s.source == 'store' for s in steps) / max(len(steps), 1):.2f} | "
             f"{sum(bool(s.reused) for s in steps) / max(len(steps), 1):.2f} | {mean('fallback_ms'):.1f} | "
             f"{all(ok for *_, ok in got)} |"
         )

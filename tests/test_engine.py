@@ -661,6 +661,7 @@ def test_sampling_follows_the_targets_distribution(peaked_target):
         ("candidate_vocab", 3, "candidate_vocab"),
         ("head_placement", "elsewhere", "head_placement"),
         ("draft_dtype", "float16", "dtype"),
+        ("datastore", "/no/such/datastore.npz", "datastore"),
     ],
 )
 def test_a_bad_config_is_refused_before_any_worker_starts(target, draft, field, value, message):

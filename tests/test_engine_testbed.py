@@ -191,3 +191,25 @@ def test_a_bfloat16_target_is_reproduced_bit_for_bit(testbed_target, untrained_d
     with MirrorEngine(target, None, untrained_draft, replace(cfg, gamma=3)) as engine:
         for (prompt, _), ref in zip(subset, refs, strict=True):
             assert engine.generate(prompt, MAX_NEW, method="mirror").tokens == ref, len(prompt)
+
+
+@pytest.mark.parametrize("knows", [True, False])
+def test_a_datastore_of_answers_serves_windows_and_the_output_stays_the_targets(
+    testbed_target, untrained_draft, cases, tmp_path, knows
+):
+    """A datastore (datastore.py) built from the very answers (knows: its windows are kept, and they are most of
+    what is verified) or from the answers reversed (its windows are wrong): either way the output is the target's."""
+    from mirror_train.datastore import Datastore, DatastoreConfig
+
+    subset = cases[1::6]
+    answers = [p[-4:] + (ref if knows else ref[::-1]) for p, ref in subset]
+    path = tmp_path / "datastore.npz"
+    Datastore.build(answers, DatastoreConfig(min_count=1)).save(path)
+    cfg = EngineConfig(placement="local", datastore=str(path))
+    with MirrorEngine(testbed_target, None, untrained_draft, cfg) as engine:
+        for method in ("sd", "mirror"):
+            generations = check(engine, subset, method)
+            sources = [s.source for g in generations for s in g.steps]
+            if knows:
+                assert sources.count("store") > len(sources) / 4, (method, sources)
+                assert sum(g.mean_accepted for g in generations) / len(generations) > 2, method

@@ -278,3 +278,9 @@ def load_selfdistill(path: str | os.PathLike):
     if missing:
         raise MirrorTrainError(f"{path} lacks column(s) {', '.join(missing)}; it has {', '.join(ds.column_names)}")
     return ds
+
+
+def answer_sequences(ds, prompt_tail: int = 4) -> list[list[int]]:
+    """Each answer of a self-distilled dataset after the last `prompt_tail` prompt tokens (the chat template's tail,
+    which the answer's first tokens follow): what a datastore of the target's own answers is built from."""
+    return [list(p[-prompt_tail:] if prompt_tail else []) + list(a) for p, a in zip(ds["prompt_ids"], ds["answer_ids"])]

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 
 import mirror_train.models  # noqa: F401  (registers the draft's Auto classes for the worker's from_pretrained)
 from mirror_train import fastpath
+from mirror_train.datastore import Datastore
 from mirror_train.engine.drafts import ModelDraft, SyntheticDraft, SyntheticDraftConfig
 from mirror_train.engine.messages import Failed, Ready, Stop
 from mirror_train.engine.server import DraftServer
@@ -59,6 +60,7 @@ def build_server(spec: dict):
         # like the draft, it only proposes: the fastest path per call (bf16, 5 rows here: 4.1 → 1.7 ms, docs/engine.md)
         for module in (head.requires_grad_(False), head.lm_head):  # its LM head is held apart from its modules
             fastpath.install(module, spec.get("fast_path", "none"))
+    store = Datastore.load(spec["datastore"]) if spec.get("datastore") else None
     return DraftServer(
         backend,
         spec.get("branch_budget", 1),
@@ -68,6 +70,7 @@ def build_server(spec: dict):
         spec.get("ngram_tokens", 0),
         spec.get("adaptive_window", False),
         spec.get("device", "cpu"),
+        store,
     )
 
 

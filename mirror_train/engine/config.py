@@ -53,6 +53,10 @@ class EngineConfig:
     # Prompt lookup (ngram.py): windows copied from the prompt and the committed text, up to this long, compete with
     # the draft's in sd and mirror alike (0: off); method "pld" verifies them alone, with no draft model.
     ngram_tokens: int = 8
+    # The target's own answers as a second copy source in sd and mirror (datastore.py): "auto" = the draft artifact's
+    # datastore.npz when it has one, "off", or the path of a datastore; its continuations compete with prompt
+    # lookup's copies, each learnt online as the other window sources are. Method "pld" never reads it.
+    datastore: str = "auto"
     # Cut each window to the length that maximises expected committed tokens per unit of the target's measured
     # verification time (window.py; off: always the draft's whole γ).
     adaptive_window: bool = True
@@ -94,6 +98,8 @@ class EngineConfig:
             raise MirrorTrainError(f"head_placement must be target or draft, got {self.head_placement!r}")
         if not 0 <= self.ngram_tokens <= MAX_GAMMA:
             raise MirrorTrainError(f"ngram_tokens must be in 0..{MAX_GAMMA}, got {self.ngram_tokens}")
+        if self.datastore not in ("auto", "off") and not os.path.isfile(self.datastore):
+            raise MirrorTrainError(f"datastore must be auto, off or a datastore file; {self.datastore!r} is none")
         if self.threads < 1 or self.timeout_s <= 0:
             raise MirrorTrainError("threads must be ≥ 1 and timeout_s > 0")
         target, draft = self.devices()
@@ -135,7 +141,7 @@ class StepStats:
     branch_ms: float = 0.0
     fallback_ms: float = 0.0
     draft_forwards: int = 0  # forwards of the fallback rollout that made the next window (0: reused or none)
-    source: str | None = None  # what the next window was drafted by: "model" or "ngram" (prompt lookup)
+    source: str | None = None  # the next window's source: "model", "ngram" (prompt lookup) or "store" (datastore)
     alt: int = 0  # rows of a forked window's second chain, verified beside the window (included in `window`)
     alt_kept: bool = False  # the second chain kept more, and was committed
     predicted_ms: float = 0.0

@@ -32,6 +32,7 @@ from collections import deque
 
 import torch
 
+from mirror_train.datastore import Datastore
 from mirror_train.engine.branches import fit_budget, rank_branches, rollout_line
 from mirror_train.engine.messages import Branches, Load, Ping, Pong, Start, Verdict, Window
 from mirror_train.engine.ngram import NgramIndex
@@ -62,6 +63,8 @@ EXPLORE_MAX = 64
 # (`_catch_up`): a serial rollout feeds what the cache lacks first, and after a run of skipped steps that was up to
 # ~80 tokens, 35–55 ms of the target's wait for a one-pass exploration (docs/engine.md, fifteenth session)
 CATCH_UP = 8
+# A datastore token's calibration key bins its share (how often the target said it after that n-gram, datastore.py)
+STORE_SHARE_BINS = 4
 # Of the target's measured suffix time, the share the branch rollout plans to fill: with all of it, 10–20% of steps
 # overran it on the 2-core testbed (the suffix and the rollout time both vary by ~10% step to step; docs/engine.md)
 DEADLINE_SHARE = 0.85
@@ -84,8 +87,10 @@ class DraftServer:
         ngram_tokens: int = 0,
         adaptive_window: bool = False,
         device: str | torch.device = "cpu",
+        datastore: Datastore | None = None,
     ):
         self.backend = backend
+        self.datastore = datastore  # the target's own answers as a second copy source (datastore.py)
         self.device = torch.device(device)  # the draft's and a head's here, and the target's states it keeps
         self.ngram = NgramIndex() if ngram_tokens else None
         self.ngram_tokens = ngram_tokens
@@ -101,6 +106,7 @@ class DraftServer:
         self.alt: list[int] = []  # that chain, this step (forked_window.py), its keys, and the tokens it shares
         self.alt_keys: list = []
         self.fork = 0
+        self.alt_source: str | None = None
         self.head = head
         self.kappa = kappa
         # P(the target keeps a drafted token | the proxy's probability of it): learnt from every verdict, kept across
@@ -365,23 +371,38 @@ class DraftServer:
         return 0
 
     def _copy(self, first: int | None = None) -> tuple[tuple, float]:
-        """The copied window (tokens, keys) on offer and its rate E(w)/c(w) at its best length (0.0: none)."""
-        if self.ngram is None:
-            return ((), ()), 0.0
-        copy, n = self.ngram.propose(self.ngram_tokens)
-        if not copy:
-            return ((), ()), 0.0
-        keys = [("ngram", min(n, 3), first == copy[0])] * len(copy)
-        return (copy, keys), best_length(self.calibration.predict(keys), self.costs)[1]
+        """The copied window (tokens, keys, source) on offer and its rate E(w)/c(w) at its best length (0.0: none):
+        prompt lookup's copy of the committed text ("ngram") or the datastore's continuation ("store"), whichever
+        promises more. `first`: the model's first drafted token (a copy that agrees with it is likelier kept)."""
+        best = ((), (), None), 0.0
+        for tokens, keys, source in self._copies(first):
+            rate = best_length(self.calibration.predict(keys), self.costs)[1]
+            if rate > best[1]:
+                best = (tokens, keys, source), rate
+        return best
+
+    def _copies(self, first: int | None) -> list[tuple[list[int], list, str]]:
+        out = []
+        if self.ngram is not None:
+            copy, n = self.ngram.propose(self.ngram_tokens)
+            if copy:
+                out.append((copy, [("ngram", min(n, 3), first == copy[0])] * len(copy), "ngram"))
+        if self.datastore is not None:
+            tokens, evidence = self.datastore.propose(self.tokens, self.ngram_tokens or self.gamma)
+            if tokens:
+                agree = first == tokens[0]
+                keys = [("store", n, prob_key(share, STORE_SHARE_BINS), agree) for n, share in evidence]
+                out.append((tokens, keys, "store"))
+        return out
 
     def _offer(self, drafted: Rollout, info: dict) -> Window:
         """The next window: the model's drafted tokens or a copy of the committed text, whichever promises more
         committed tokens per unit of verification time, cut to its best length (module docstring)."""
         keys = [("model", prob_key(math.exp(lp))) for lp in drafted.logprobs]
         options = [(drafted.tokens, drafted.pairs, keys, "model")]
-        (copy, copy_keys), _ = self._copy(drafted.tokens[0] if drafted.tokens else None)
+        (copy, copy_keys, copy_source), _ = self._copy(drafted.tokens[0] if drafted.tokens else None)
         if copy:
-            options.append((copy, None, copy_keys, "ngram"))
+            options.append((copy, None, copy_keys, copy_source))
         best = None
         explore = self.adaptive_window and self.unexplored >= EXPLORE
         for tokens, pairs, keys, source in options:
@@ -395,12 +416,12 @@ class DraftServer:
             if best is None or rate > best[0]:
                 best = (rate, tokens[:length], None if pairs is None else pairs[:length], keys[:length], source)
         _, self.window, self.window_pairs, self.window_keys, source = best
-        self.alt, self.alt_keys, self.fork = [], [], 0
+        self.alt, self.alt_keys, self.fork, self.alt_source = [], [], 0, None
         if self.forks and self.adaptive_window and self.ngram is not None and not explore:
             source = self._fork(options, best) or source
         offered = any(tokens for tokens, *_ in options)
         self.unexplored = self.unexplored + 1 if offered and not self.window else 0
-        alt_source = ("ngram" if source == "model" else "model") if self.alt else None
+        alt_source = self.alt_source if self.alt else None
         info = info | {"source": source if self.window else None, "alt_source": alt_source}
         return Window(list(self.window), info, list(self.alt), self.fork)
 
@@ -416,13 +437,13 @@ class DraftServer:
         tokens_a, keys_a = model[0], model[2]
         if not tokens_a:
             return None
-        chains = [(options[1][0], options[1][2])] if len(options) > 1 else []
+        chains = [(options[1][0], options[1][2], options[1][3])] if len(options) > 1 else []
         for f in range(1, len(tokens_a)):
             copy, n = self.ngram.propose(self.ngram_tokens, after=tokens_a[:f])
             if copy and copy[0] != tokens_a[f]:  # else it is (or starts as) the model's own chain
-                chains.append((tokens_a[:f] + copy, keys_a[:f] + [("ngram", min(n, 3), False)] * len(copy)))
+                chains.append((tokens_a[:f] + copy, keys_a[:f] + [("ngram", min(n, 3), False)] * len(copy), "ngram"))
         choice = None
-        for i, (tokens_b, keys_b) in enumerate(chains):
+        for i, (tokens_b, keys_b, _) in enumerate(chains):
             shared = 0
             while shared < min(len(tokens_a), len(tokens_b)) and tokens_a[shared] == tokens_b[shared]:
                 shared += 1
@@ -433,14 +454,15 @@ class DraftServer:
         if choice is None:
             return None
         _, i, la, lb, shared = choice
-        tokens_b, keys_b = chains[i]
-        main, other = (model[0], model[1], keys_a, la, "model"), (tokens_b, None, keys_b, lb, "ngram")
-        if i == 0 and len(options) > 1 and best[4] == "ngram" and best[1]:  # the plain copy is the better one
+        tokens_b, keys_b, copy_source = chains[i]
+        main, other = (model[0], model[1], keys_a, la, "model"), (tokens_b, None, keys_b, lb, copy_source)
+        if i == 0 and len(options) > 1 and best[4] != "model" and best[1]:  # the plain copy is the better one
             main, other = other, main
         tokens, pairs, keys, length, source = main
         self.window, self.window_keys = list(tokens[:length]), keys[:length]
         self.window_pairs = None if pairs is None else pairs[:length]
         self.alt, self.alt_keys, self.fork = list(other[0][: other[3]]), other[2][: other[3]], min(shared, la, lb)
+        self.alt_source = other[4]
         return source
 
     def _serial(self, tail: Rollout, n: int) -> Rollout:

@@ -18,7 +18,7 @@ from mirror_train.engine.config import EngineConfig
 from mirror_train.engine.drafts import SyntheticDraftConfig
 from mirror_train.errors import MirrorTrainError
 from mirror_train.export import load_artifact
-from mirror_train.models.draft_artifact import ARTIFACT_KIND
+from mirror_train.models.draft_artifact import ARTIFACT_KIND, DATASTORE_FILE
 from mirror_train.models.draft_surgery import check_compatible
 from mirror_train.models.drafter import MirrorDrafterForCausalLM
 from mirror_train.models.drafter_config import TARGET_SLOTS
@@ -85,7 +85,20 @@ def draft_spec(target: Target, cfg: EngineConfig, draft, head: ProxyHead, workdi
             )
         slots = [slot for slot in TARGET_SLOTS if slot in (getattr(dc, "feature_slots", None) or ["exit"])]
     spec = {"kind": "model", "path": path, "use_streams": cfg.use_streams, **common}
+    store = datastore_path(cfg.datastore, path)
+    if store is not None:
+        spec["datastore"] = store
     return spec, slots
+
+
+def datastore_path(setting: str, draft_path: str) -> str | None:
+    """The datastore a model draft serves with (EngineConfig.datastore): the artifact's own under "auto"."""
+    if setting == "off":
+        return None
+    if setting == "auto":
+        own = os.path.join(draft_path, DATASTORE_FILE)
+        return own if os.path.isfile(own) else None
+    return setting
 
 
 def head_bundle(head: ProxyHead, workdir: str) -> str:

@@ -12,20 +12,25 @@ from pathlib import Path
 
 from peft import PeftModel
 
+from mirror_train.datastore import Datastore
 from mirror_train.errors import MirrorTrainError
 from mirror_train.export import WEIGHTS_FILE, CardText, load_artifact, save_artifact
 from mirror_train.models.draft_surgery import check_compatible
 from mirror_train.models.drafter import MirrorDrafterForCausalLM
 
 ARTIFACT_KIND = "draft"
+DATASTORE_FILE = "datastore.npz"  # the target's own answers as an n-gram datastore (datastore.py), when exported
 
 
-def save_draft(model, out_dir, target, metrics: dict | None = None, extra: dict | None = None) -> Path:
+def save_draft(
+    model, out_dir, target, metrics: dict | None = None, extra: dict | None = None, datastore: Datastore | None = None
+) -> Path:
     """Export a self-describing draft artifact that `AutoModelForCausalLM.from_pretrained` also loads (after
     `import mirror_train.models`): config.json + model.safetensors + the target's tokenizer, and mirror_config.json
     (kind "draft", the draft's config, the target's signature, `extra`) + a model card with the held-out `metrics`.
 
-    LoRA adapters are merged into the layers first (this unwraps a peft model in place).
+    LoRA adapters are merged into the layers first (this unwraps a peft model in place). A `datastore` travels
+    with the draft as datastore.npz (the engine's sd and mirror read it as a copy source), its summary in the config.
     """
     from safetensors.torch import load_file
 
@@ -36,6 +41,9 @@ def save_draft(model, out_dir, target, metrics: dict | None = None, extra: dict 
         weights = load_file(Path(tmp) / WEIGHTS_FILE)
         files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file() and p.name != WEIGHTS_FILE}
     config = {"model": draft.config.to_dict(), **(extra or {})}
+    if datastore is not None:
+        files[DATASTORE_FILE] = datastore.to_bytes()
+        config["datastore"] = dict(datastore.meta)
     table = None
     if metrics:  # as evaluate_drafter returns them
         rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in metrics.items() if k != "positions")
