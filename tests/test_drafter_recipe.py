@@ -18,6 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 from mirror_train.config import load_config
+from mirror_train.datastore import Datastore
 from mirror_train.drafter_training import (
     DrafterModelConfig,
     DrafterRunConfig,
@@ -200,6 +201,8 @@ def test_recipe_trains_and_exports_a_draft_that_loads(straight_run, tiny_model_d
     meta = json.loads((export / "mirror_config.json").read_text())
     assert meta["kind"] == "draft" and meta["config"]["steps"] == 4 and meta["target"]["num_layers"] == 4
     assert "| top1 |" in (export / "README.md").read_text()
+    store = Datastore.load(export / "datastore.npz")  # the target's own answers, served beside the draft
+    assert meta["config"]["datastore"] == store.meta and store.meta["sequences"] > 0 and len(store) > 0
 
     auto = AutoModelForCausalLM.from_pretrained(export)
     checked = load_draft(export, tiny_target)
