@@ -113,3 +113,20 @@ def test_without_a_datastore_the_server_copies_as_before():
     index.reset([1, 2, 3, 1, 2])
     (tokens, _, source), _ = server._copy()
     assert (tokens, source) == (index.propose(8)[0], "ngram")
+
+
+def test_the_cli_builds_one_from_a_self_distilled_dataset(tmp_path, capsys):
+    import datasets
+
+    from mirror_train.cli import train_main
+
+    rows = [{"id": str(i), "prompt_ids": [7, 8, 9], "answer_ids": a} for i, a in enumerate(ANSWERS)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "sd" / "dataset"))
+    out = tmp_path / "store.npz"
+    assert train_main(["datastore", "--data", str(tmp_path / "sd"), "--out", str(out), "--min-count", "1"]) == 0
+    store = Datastore.load(out)
+    assert store.meta["sequences"] == 5 and store.meta["tokens"] == 22 + 5 * 3  # each answer after the prompt's tail
+    assert store.next_token([8, 9, 1]) == (2, 3, 1.0)
+    assert train_main(["datastore", "--data", str(tmp_path / "sd")]) == 2  # nowhere to write it
+    assert "--draft" in capsys.readouterr().err
+    assert train_main(["datastore", "--data", str(tmp_path / "missing")]) == 2
