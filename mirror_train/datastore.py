@@ -3,7 +3,7 @@
 Prompt lookup (engine/ngram.py) copies from the prompt and the text committed so far. What a target says is also
 what it said before, on other prompts: its stock phrases, its formats, its closing lines. This is a static n-gram
 model over the target's own greedy answers (the self-distilled data every recipe makes, data/selfdistill.py), in
-the spirit of REST and SAM-Decoding's static store: for every n-gram (n = min_n..max_n) seen at least `min_count`
+the spirit of REST and SAM-Decoding's static store: for every n-gram (n = min_n..max_n, 1..4 by default) seen at least `min_count`
 times with a successor, the successor the target chose most often there and how often. A proposal continues a
 context greedily, one token at a time, from the longest n-gram of (context + the tokens proposed so far) the store
 holds; each token carries its match size and its share (count of that successor / count of the n-gram), which is
@@ -33,7 +33,7 @@ class DatastoreConfig:
     """How the datastore is built (recipes/drafter.py exports one with every draft; `mirror-train datastore`)."""
 
     enabled: bool = True  # the draft recipe exports a datastore of the target's answers beside the draft
-    min_n: int = 2  # the shortest n-gram matched (1 would propose after any token, mostly wrongly)
+    min_n: int = 1  # the shortest n-gram matched (a 1-gram's guess is weak, and the calibration learns how weak)
     max_n: int = 4  # the longest n-gram matched (longer ones add little over the committed text's own copies)
     min_count: int = 2  # n-grams the target produced fewer times are dropped (a single occurrence is a weak guess)
     prompt_tail: int = 4  # prompt tokens kept before each answer: the chat template's tail its first tokens follow
