@@ -3,14 +3,14 @@
 Prompt lookup (engine/ngram.py) copies from the prompt and the text committed so far. What a target says is also
 what it said before, on other prompts: its stock phrases, its formats, its closing lines. This is a static n-gram
 model over the target's own greedy answers (the self-distilled data every recipe makes, data/selfdistill.py), in
-the spirit of REST and SAM-Decoding's static store: for every n-gram (n = min_n..max_n, 1..4 by default) seen at least `min_count`
-times with a successor, the successor the target chose most often there and how often. A proposal continues a
-context greedily, one token at a time, from the longest n-gram of (context + the tokens proposed so far) the store
-holds; each token carries its match size and its share (count of that successor / count of the n-gram), which is
-what the engine's calibration learns the acceptance of (window.py).
+the spirit of REST and SAM-Decoding's static store: for every n-gram (n = min_n..max_n, 1..4 by default) seen at
+least `min_count` times with a successor, the successor the target chose most often there and how often. A proposal
+continues a context greedily, one token at a time, from the longest n-gram of (context + the tokens proposed so far)
+the store holds; each token carries its match size and its share (count of that successor / count of the n-gram),
+which is what the engine's calibration learns the acceptance of (window.py).
 
-Built once (a few seconds for ~2,000 answers), stored as arrays in one `.npz` beside the draft it serves with; a
-lookup is a binary search per n-gram size (numpy), ~2 µs, so a proposal of 8 tokens costs well under 0.1 ms.
+Built once (0.2 s for 1,152 answers: 51,046 n-grams, a 1.6 MB file), stored as arrays in one `.npz` beside the draft
+it serves with; a lookup is a binary search per n-gram size (numpy), and a proposal of 8 tokens took ~32 µs.
 Keys are 64-bit polynomial hashes of the n-gram: a collision between two of the ~10^6 n-grams would only make a
 proposal wrong (the target verifies every token), never the output.
 """

@@ -65,6 +65,7 @@ EXPLORE_MAX = 64
 CATCH_UP = 8
 # A datastore token's calibration key bins its share (how often the target said it after that n-gram, datastore.py)
 STORE_SHARE_BINS = 4
+STORE_CONTEXT = 8  # the committed tokens a datastore proposal reads (its n-grams are at most 4 long)
 # Of the target's measured suffix time, the share the branch rollout plans to fill: with all of it, 10–20% of steps
 # overran it on the 2-core testbed (the suffix and the rollout time both vary by ~10% step to step; docs/engine.md)
 DEADLINE_SHARE = 0.85
@@ -381,14 +382,17 @@ class DraftServer:
                 best = (tokens, keys, source), rate
         return best
 
-    def _copies(self, first: int | None) -> list[tuple[list[int], list, str]]:
+    def _copies(self, first: int | None = None, after: list[int] | None = None) -> list[tuple[list[int], list, str]]:
+        """(tokens, keys, source) of each copy source's proposal after the committed text and then `after` (tokens a
+        chain drafted past it); `first` as in `_copy`."""
         out = []
         if self.ngram is not None:
-            copy, n = self.ngram.propose(self.ngram_tokens)
+            copy, n = self.ngram.propose(self.ngram_tokens, after=after or ())
             if copy:
                 out.append((copy, [("ngram", min(n, 3), first == copy[0])] * len(copy), "ngram"))
         if self.datastore is not None:
-            tokens, evidence = self.datastore.propose(self.tokens, self.ngram_tokens or self.gamma)
+            context = self.tokens[-STORE_CONTEXT:] + list(after or ())
+            tokens, evidence = self.datastore.propose(context, self.ngram_tokens or self.gamma)
             if tokens:
                 agree = first == tokens[0]
                 keys = [("store", n, prob_key(share, STORE_SHARE_BINS), agree) for n, share in evidence]
@@ -427,21 +431,21 @@ class DraftServer:
 
     def _fork(self, options: list, best: tuple) -> str | None:
         """The model's chain and a copied one as one forked window, where that promises more committed tokens per
-        unit of the target's time than the best single window (`best`, its rate first). The copies tried: the one
-        after the committed text (options[1], if any), and those after the committed text and the model's first f
-        drafted tokens (f = 1..w−1: the model starts a quote, the copy finishes it), which hang off the model's
-        chain after its f-th token. The main chain is the better single source's (Mirror-SD's branches hang off
-        it); a copy after model tokens always hangs off the model's. Returns the main chain's source, None where no
-        fork pays."""
+        unit of the target's time than the best single window (`best`, its rate first). The copies tried (prompt
+        lookup's and the datastore's): the one after the committed text (options[1], if any), and those after the
+        committed text and the model's first f drafted tokens (f = 1..w−1: the model starts a quote, the copy
+        finishes it), which hang off the model's chain after its f-th token. The main chain is the better single
+        source's (Mirror-SD's branches hang off it); a copy after model tokens always hangs off the model's.
+        Returns the main chain's source, None where no fork pays."""
         model = options[0]
         tokens_a, keys_a = model[0], model[2]
         if not tokens_a:
             return None
         chains = [(options[1][0], options[1][2], options[1][3])] if len(options) > 1 else []
         for f in range(1, len(tokens_a)):
-            copy, n = self.ngram.propose(self.ngram_tokens, after=tokens_a[:f])
-            if copy and copy[0] != tokens_a[f]:  # else it is (or starts as) the model's own chain
-                chains.append((tokens_a[:f] + copy, keys_a[:f] + [("ngram", min(n, 3), False)] * len(copy), "ngram"))
+            for copy, keys, source in self._copies(after=tokens_a[:f]):
+                if copy[0] != tokens_a[f]:  # else it is (or starts as) the model's own chain
+                    chains.append((tokens_a[:f] + copy, keys_a[:f] + keys, source))
         choice = None
         for i, (tokens_b, keys_b, _) in enumerate(chains):
             shared = 0
