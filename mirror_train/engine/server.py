@@ -400,8 +400,9 @@ class DraftServer:
         return out
 
     def _offer(self, drafted: Rollout, info: dict) -> Window:
-        """The next window: the model's drafted tokens or a copy of the committed text, whichever promises more
-        committed tokens per unit of verification time, cut to its best length (module docstring)."""
+        """The next window: the model's drafted tokens or a copy (of the committed text, or the datastore's
+        continuation), whichever promises more committed tokens per unit of verification time, cut to its best
+        length (module docstring)."""
         keys = [("model", prob_key(math.exp(lp))) for lp in drafted.logprobs]
         options = [(drafted.tokens, drafted.pairs, keys, "model")]
         (copy, copy_keys, copy_source), _ = self._copy(drafted.tokens[0] if drafted.tokens else None)
