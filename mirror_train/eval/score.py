@@ -102,7 +102,8 @@ def markdown(result: dict, run: dict | None = None) -> str:
             f"κ={s.get('engine.kappa', s.get('kappa'))}, γ={s.get('engine.gamma', s.get('gamma'))}, budget "
             f"{s.get('engine.branch_budget', s.get('branch_budget'))}, prompt lookup up to "
             f"{s.get('engine.ngram_tokens', 0)} tokens, adaptive windows {s.get('engine.adaptive_window', False)}, "
-            f"proxy head `{s.get('proxy_head') or 'logit lens'}`, draft `{s.get('draft')}`.",
+            f"proxy head `{s.get('proxy_head') or 'logit lens'}`, draft `{s.get('draft')}`, datastore "
+            f"`{s.get('datastore') or 'none'}`.",
             "",
         ]
     methods = list(result["methods"])

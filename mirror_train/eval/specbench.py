@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from mirror_train.devices import pinned, resolve_device, resolve_dtype
 from mirror_train.engine import MirrorEngine
 from mirror_train.engine.config import EngineConfig
+from mirror_train.engine.setup import datastore_path
 from mirror_train.errors import MirrorTrainError
 from mirror_train.eval.peers import hf_generate
 from mirror_train.eval.questions import load_questions, resolve_questions
@@ -97,14 +98,22 @@ def _artifact_id(path: str | None) -> str | None:
     """An artifact's identity for run.json: its path and the hash of its weights."""
     if path is None:
         return None
+    return _file_id(Path(path) / "model.safetensors", path)
+
+
+def _file_id(file: Path | str | None, name: str | None = None) -> str | None:
+    """`name` (default: the file's path) and the hash of the file's bytes ("?" where it is missing)."""
+    if file is None:
+        return None
     import hashlib
 
-    weights = Path(path) / "model.safetensors"
-    digest = hashlib.sha256(weights.read_bytes()).hexdigest()[:16] if weights.exists() else "?"
-    return f"{path}#{digest}"
+    file = Path(file)
+    digest = hashlib.sha256(file.read_bytes()).hexdigest()[:16] if file.exists() else "?"
+    return f"{name or file}#{digest}"
 
 
-_LATER_SETTINGS = {"target_dtype": "float32"}
+# settings added after runs were recorded without them, at the value those runs had in effect
+_LATER_SETTINGS = {"target_dtype": "float32", "engine.datastore": "auto", "datastore": None}
 
 
 def _check_resume(out: Path, record: dict) -> None:
@@ -164,7 +173,13 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
     )
     tok = target.tokenizer
     record = {
-        "settings": cfg.settings() | {"proxy_head": _artifact_id(cfg.proxy_head), "draft": _artifact_id(cfg.draft)},
+        "settings": cfg.settings()
+        | {
+            "proxy_head": _artifact_id(cfg.proxy_head),
+            "draft": _artifact_id(cfg.draft),
+            # the datastore sd and mirror copy from (the draft's own under datastore=auto)
+            "datastore": _file_id(datastore_path(cfg.engine.datastore, cfg.draft)) if cfg.draft else None,
+        },
         "target": target.signature().to_dict(),
         "chat_template": tok.chat_template,
         "questions_file": str(qpath),
