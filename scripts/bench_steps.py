@@ -110,7 +110,7 @@ def main() -> None:
         )
     print("\n| variant | next window | steps | wait ms | of it queued | committed by it |\n|---|---|---|---|---|---|")
     for v, got in rows.items():
-        if _variant(v)[0] in ("ar", "pld"):
+        if _variant(v)[0] in ("ar", "pld", "pld_store"):
             continue
         for kind, share, wait, queued, committed in window_kinds([g.steps[1:] for _, g, _ in got]):
             print(f"| {v} | {kind} | {share:.2f} | {wait:.1f} | {queued:.1f} | {committed:.2f} |")

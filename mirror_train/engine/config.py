@@ -14,7 +14,8 @@ from mirror_train.devices import draft_device, resolve_device, resolve_dtype
 from mirror_train.errors import MirrorTrainError
 from mirror_train.metrics import check_kappa
 
-METHODS = ("ar", "sd", "mirror", "pld")
+METHODS = ("ar", "sd", "mirror", "pld", "pld_store")
+COPY_METHODS = ("pld", "pld_store")  # no draft model: copied windows alone, the draft server in-process
 MAX_GAMMA = 32
 
 
@@ -55,7 +56,8 @@ class EngineConfig:
     ngram_tokens: int = 8
     # The target's own answers as a second copy source in sd and mirror (datastore.py): "auto" = the draft artifact's
     # datastore.npz when it has one, "off", or the path of a datastore; its continuations compete with prompt
-    # lookup's copies, each learnt online as the other window sources are. Method "pld" never reads it.
+    # lookup's copies, each learnt online as the other window sources are. Method "pld" never reads it; method
+    # "pld_store" verifies prompt lookup's and the datastore's copies alone, with no draft model.
     datastore: str = "auto"
     # Cut each window to the length that maximises expected committed tokens per unit of the target's measured
     # verification time (window.py; off: always the draft's whole γ).

@@ -14,7 +14,8 @@ cache, and a drafted window d_1..d_w:
     5. rollback: the target's cache (and an attention head's) is cropped to the committed tokens; the draft keeps
        the committed path of its tree and drops the rest (server.py)
 `method="sd"` is serial speculative decoding with the same draft, channel, windows and verification (no early exit,
-no branches); `method="pld"` verifies copied windows alone (no draft model); `method="ar"` is the target alone.
+no branches); `method="pld"` verifies copied windows alone (no draft model), `method="pld_store"` copies from the
+datastore of the target's own answers too (datastore.py; still no model); `method="ar"` is the target alone.
 All share the target code path (and its fast path, fastpath.py), so they compare fairly.
 
 Where the proxy head runs (`head_placement`): on the draft's side by default, where its cost comes out of the
@@ -41,7 +42,7 @@ from mirror_train import fastpath
 from mirror_train.devices import clock, pinned, resolve_device
 from mirror_train.engine.acceptance import accept_forked, target_tokens, truncate
 from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDraft
-from mirror_train.engine.config import METHODS, EngineConfig, Generation, StepStats
+from mirror_train.engine.config import COPY_METHODS, METHODS, EngineConfig, Generation, StepStats
 from mirror_train.engine.latency import predicted_step_ms
 from mirror_train.engine.messages import Branches, Candidates, Load, Ping, Start, Verdict
 from mirror_train.engine.setup import bind_head, draft_spec
@@ -113,7 +114,7 @@ class MirrorEngine:
         self._suffix_ms: float | None = None
         self._prefix_ms: float | None = None  # the target's prefix time per window (EMA): the draft's look-ahead
         self._awaiting = False  # a request is out whose reply has not been read
-        self._pld: LocalDraft | None = None  # the prompt-lookup "draft" of method pld, in-process
+        self._pld: dict[str, LocalDraft] = {}  # method → the in-process copy "draft" of pld and pld_store
         self._costs: tuple[list[float], float] | None = None  # relative cost by window length, one-token ms
         self._verify_samples: deque[tuple[int, float]] = deque(maxlen=64)  # (window length, target ms) per step
         self.contention: float | None = None  # the target's slowdown beside the draft's work (`_measure_contention`)
@@ -232,8 +233,13 @@ class MirrorEngine:
             raise MirrorTrainError(f"method must be one of {METHODS}, got {method!r}")
         if method in ("sd", "mirror") and self.spec is None and self.draft is None:
             raise MirrorTrainError(f"method {method!r} needs a draft; this engine has none (or its draft failed)")
-        if method == "pld" and not self.config.ngram_tokens:
-            raise MirrorTrainError("method 'pld' copies windows from the text: it needs ngram_tokens ≥ 1")
+        if method in COPY_METHODS and not self.config.ngram_tokens:
+            raise MirrorTrainError(f"method {method!r} copies windows from the text: it needs ngram_tokens ≥ 1")
+        if method == "pld_store" and self._store_path() is None:
+            raise MirrorTrainError(
+                "method 'pld_store' copies from a datastore of the target's answers: give a draft that has one "
+                "(datastore=auto) or datastore=PATH"
+            )
         if max_new_tokens < 1:
             raise MirrorTrainError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
         if method in ("sd", "mirror") and reference is None and (self.spec or {}).get("kind") == "synthetic":
@@ -255,7 +261,9 @@ class MirrorEngine:
                 self._costs = self._measure_costs()
             if method == "mirror" and self.contention is None:
                 self.contention = self._measure_contention()
-            seq.channel = self._pld_channel() if method == "pld" else self.draft if method != "ar" else None
+            seq.channel = (
+                self._pld_channel(method) if method in COPY_METHODS else self.draft if method != "ar" else None
+            )
             stats = self._prefill(seq)
             yield seq.new, stats
             while not seq.done:
@@ -379,13 +387,13 @@ class MirrorEngine:
             self._suffix_ms = _ema(self._suffix_ms, stats.suffix_ms)
         stats.predicted_ms = (
             predicted_step_ms(
-                seq.method if window and seq.method != "pld" else "ar",
+                seq.method if window and seq.method not in COPY_METHODS else "ar",
                 stats.prefix_ms,
                 stats.head_ms,
                 stats.suffix_ms,
                 stats.branch_ms,
                 stats.fallback_ms,
-                stats.send_ms + (self.channel_ms if info and seq.method != "pld" else 0.0),
+                stats.send_ms + (self.channel_ms if info and seq.method not in COPY_METHODS else 0.0),
             )
             + (t5 - t4) * 1e3
         )
@@ -450,13 +458,22 @@ class MirrorEngine:
             self._fault(err)
         seq.channel, seq.window = None, []
 
-    def _pld_channel(self) -> LocalDraft:
-        """Prompt lookup alone: the draft server with no model, in-process (a copy costs microseconds)."""
-        if self._pld is None:
+    def _pld_channel(self, method: str) -> LocalDraft:
+        """Copies alone (pld: prompt lookup; pld_store: and the datastore): the draft server with no model,
+        in-process (a copy costs microseconds)."""
+        if method not in self._pld:
             cfg = self.config
             spec = {"kind": "ngram", "ngram_tokens": cfg.ngram_tokens, "adaptive_window": cfg.adaptive_window}
-            self._pld = LocalDraft(spec)
-        return self._pld
+            if method == "pld_store":
+                spec["datastore"] = self._store_path()
+            self._pld[method] = LocalDraft(spec)
+        return self._pld[method]
+
+    def _store_path(self) -> str | None:
+        """The datastore sd and mirror read (the draft's own under datastore=auto), else an explicit one."""
+        if self.spec is not None and self.spec.get("datastore"):
+            return self.spec["datastore"]
+        return self.config.datastore if self.config.datastore not in ("auto", "off") else None
 
     def _cost_fields(self) -> tuple[list[float] | None, float | None]:
         """(costs, step_ms) for the draft side: the target's relative verification cost by window length and its

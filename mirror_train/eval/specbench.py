@@ -36,7 +36,7 @@ from mirror_train.generation import encode_chat
 from mirror_train.models.draft_artifact import load_draft
 from mirror_train.target import Target
 
-ENGINE_METHODS = ("ar", "sd", "mirror", "pld")
+ENGINE_METHODS = ("ar", "sd", "mirror", "pld", "pld_store")
 PEER_METHODS = ("assisted", "hf_pld")
 METHODS = ENGINE_METHODS + PEER_METHODS
 
@@ -47,7 +47,8 @@ class SpecBenchConfig:
     target: str = "testbed"  # the served model: testbed, a local HF directory or a Hub id
     proxy_head: str | None = None  # an exported proxy head (None: the logit lens at ℓe)
     draft: str | None = None  # an exported draft (needed by sd, mirror, assisted)
-    methods: str = "ar,sd,mirror,pld,assisted,hf_pld"  # comma-separated; ar (the baseline) must be one
+    # comma-separated; ar (the baseline) must be one; pld_store runs where a datastore is at hand (the draft's)
+    methods: str = "ar,sd,mirror,pld,pld_store,assisted,hf_pld"
     categories: str | None = None  # comma-separated categories or tasks (mt_bench, translation, ...); None: all
     limit_per_category: int | None = None  # questions per Spec-Bench task, spread over the task
     max_new_tokens: int = 128  # per turn (Spec-Bench's original: 1024)
@@ -249,8 +250,15 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
 
 def _servable(cfg: SpecBenchConfig) -> list[str]:
     """The methods to run: all asked for, but transformers' assisted generation with a feature-conditioned draft,
-    which it cannot feed the target's states (it runs the draft as a plain LM), is skipped with a warning."""
+    which it cannot feed the target's states (it runs the draft as a plain LM), and pld_store without a datastore
+    (the draft's, or engine.datastore=PATH) are skipped with a warning."""
     methods = cfg.method_list
+    store = datastore_path(cfg.engine.datastore, cfg.draft) if cfg.draft else None
+    if cfg.engine.datastore not in ("auto", "off"):
+        store = cfg.engine.datastore
+    if "pld_store" in methods and store is None:
+        warnings.warn("skipping pld_store: no datastore (the draft has none, or there is no draft)", stacklevel=3)
+        methods = [m for m in methods if m != "pld_store"]
     if "assisted" in methods and cfg.draft and _reads_target_states(cfg.draft):
         warnings.warn(
             f"skipping assisted: {cfg.draft} reads the target's ℓe states, which transformers' assisted generation "
