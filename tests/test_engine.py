@@ -825,3 +825,20 @@ def test_a_priced_contention_skips_rollouts_and_stays_lossless(target, draft, pr
                 assert g.tokens == ref
                 branches[rho] = branches.get(rho, 0) + sum(s.branches for s in g.steps)
     assert branches[100.0] < branches[0.0]
+
+
+def test_pld_store_copies_from_the_datastore_and_stays_lossless(target, draft, prompts, references, tmp_path):
+    """Method pld_store: prompt lookup and a datastore of the target's answers (here the references themselves, so
+    its windows are kept), no model; without a datastore it is refused."""
+    from mirror_train.datastore import Datastore, DatastoreConfig
+
+    path = tmp_path / "datastore.npz"
+    Datastore.build([p[-4:] + r for p, r in zip(prompts, references)], DatastoreConfig(min_count=1)).save(path)
+    cfg = EngineConfig(placement="local", adaptive_window=False, datastore=str(path))
+    with MirrorEngine(target, None, None, cfg) as engine:
+        for prompt, ref in zip(prompts, references):
+            g = engine.generate(prompt, MAX_NEW, method="pld_store", stop=[])
+            assert g.tokens == ref
+        assert "store" in {s.source for s in g.steps}
+    with pytest.raises(MirrorTrainError, match="datastore"):
+        MirrorEngine(target, None, draft, EngineConfig(placement="local")).generate([1], 2, method="pld_store")
