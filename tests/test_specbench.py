@@ -82,9 +82,12 @@ def untrained_draft_dir(testbed_target, tmp_path_factory):
 def test_a_run_answers_every_method_identically_resumes_and_refuses_other_settings(
     testbed_target, testbed_path, untrained_draft_dir, tmp_path, shared_dir
 ):
+    from mirror_train.datastore import Datastore
     from mirror_train.engine import EngineConfig
     from mirror_train.eval.specbench import SpecBenchConfig, run_specbench
 
+    store = tmp_path / "datastore.npz"  # pld_store runs with it, sd and mirror read it too
+    Datastore.build([testbed_target.tokenizer.encode("The answer is yes. The answer is no. I think so.")]).save(store)
     cfg = SpecBenchConfig(
         out=str(tmp_path / "run"),
         target=str(testbed_path),
@@ -93,7 +96,7 @@ def test_a_run_answers_every_method_identically_resumes_and_refuses_other_settin
         limit_per_category=1,
         max_new_tokens=8,
         warmups=1,
-        engine=EngineConfig(placement="local"),
+        engine=EngineConfig(placement="local", datastore=str(store)),
     )
     out = run_specbench(cfg)
     lines = {m: (out / "answers" / f"{m}.jsonl").read_text().splitlines() for m in cfg.method_list}
@@ -138,3 +141,24 @@ def test_assisted_generation_is_skipped_for_a_draft_that_reads_the_targets_state
     with pytest.warns(UserWarning, match="skipping assisted"):
         assert _servable(SpecBenchConfig(draft=str(conditioned))) == ["ar", "sd", "mirror", "pld", "hf_pld"]
     assert _servable(SpecBenchConfig(draft=str(plain))) == ["ar", "sd", "mirror", "pld", "assisted", "hf_pld"]
+
+
+def test_pld_store_runs_where_a_datastore_is_at_hand(tmp_path):
+    """pld_store copies from the draft's datastore (or engine.datastore=PATH); without one it is skipped, with a
+    warning, like assisted with a draft transformers cannot serve."""
+    from mirror_train.datastore import Datastore
+    from mirror_train.engine import EngineConfig
+    from mirror_train.eval.specbench import SpecBenchConfig, _servable
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"feature_conditioning": "none"}))
+    methods = "ar,pld,pld_store"
+    with pytest.warns(UserWarning, match="skipping pld_store"):
+        assert _servable(SpecBenchConfig(draft=str(draft), methods=methods)) == ["ar", "pld"]
+    Datastore.build([[1, 2, 3, 4]]).save(draft / "datastore.npz")
+    assert _servable(SpecBenchConfig(draft=str(draft), methods=methods)) == ["ar", "pld", "pld_store"]
+    elsewhere = tmp_path / "store.npz"
+    Datastore.build([[1, 2, 3, 4]]).save(elsewhere)
+    cfg = SpecBenchConfig(methods=methods, engine=EngineConfig(datastore=str(elsewhere)))
+    assert _servable(cfg) == ["ar", "pld", "pld_store"]
