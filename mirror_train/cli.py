@@ -162,7 +162,7 @@ def _add_datastore(sub) -> None:
         help="an n-gram datastore of the target's own answers, which sd and mirror copy from beside prompt lookup",
         description="Builds the datastore from a self-distilled dataset (the recipes' data.dir/selfdistill) and "
         "writes it into an exported draft (--draft: the engine's datastore=auto then serves with it) or to --out. "
-        "recipes/drafter.py exports one with every draft (model.datastore).",
+        "recipes/drafter.py exports one with every draft (its config's datastore section).",
     )
     p.add_argument("--data", required=True, help="a self-distilled dataset, e.g. outputs/data/smollm2/selfdistill")
     p.add_argument("--draft", default=None, help="an exported draft to add datastore.npz to")

@@ -32,7 +32,6 @@ from mirror_train.errors import MirrorTrainError
 class DatastoreConfig:
     """How the datastore is built (recipes/drafter.py exports one with every draft; `mirror-train datastore`)."""
 
-    enabled: bool = True  # the draft recipe exports a datastore of the target's answers beside the draft
     min_n: int = 1  # the shortest n-gram matched (a 1-gram's guess is weak, and the calibration learns how weak)
     max_n: int = 4  # the longest n-gram matched (longer ones add little over the committed text's own copies)
     min_count: int = 2  # n-grams the target produced fewer times are dropped (a single occurrence is a weak guess)

@@ -118,6 +118,13 @@ class DrafterTrainConfig(TrainConfig):
 
 
 @dataclass
+class DraftDatastoreConfig(DatastoreConfig):
+    """The datastore exported beside the draft (datastore.py)."""
+
+    enabled: bool = True  # export the target's answers as an n-gram datastore with the draft (sd and mirror read it)
+
+
+@dataclass
 class DrafterRunConfig:
     output_dir: str = "outputs/drafter_smollm2"
     target: str = "testbed"
@@ -126,7 +133,7 @@ class DrafterRunConfig:
     train: DrafterTrainConfig = field(default_factory=DrafterTrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    datastore: DatastoreConfig = field(default_factory=DatastoreConfig)  # exported beside the draft (datastore.py)
+    datastore: DraftDatastoreConfig = field(default_factory=DraftDatastoreConfig)
 
 
 # --- data -----------------------------------------------------------------------------------------------------
