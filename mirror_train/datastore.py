@@ -112,6 +112,17 @@ class Datastore:
         }
         return cls(tables, meta)
 
+    def check_vocab(self, vocab_size: int, path: str | os.PathLike | None = None) -> None:
+        """Refuse a datastore that proposes ids a target of `vocab_size` ids does not have (another tokenizer's:
+        its ids would reach the target's embedding)."""
+        top = max((int(t[1].max()) for t in self.tables.values() if len(t[1])), default=-1)
+        if top >= vocab_size:
+            where = f" {path}" if path is not None else ""
+            raise MirrorTrainError(
+                f"the datastore{where} proposes id {top}, beyond the target's {vocab_size} ids: it was built for "
+                "another tokenizer"
+            )
+
     def __len__(self) -> int:
         return sum(len(t[0]) for t in self.tables.values())
 

@@ -130,3 +130,23 @@ def test_the_cli_builds_one_from_a_self_distilled_dataset(tmp_path, capsys):
     assert train_main(["datastore", "--data", str(tmp_path / "sd")]) == 2  # nowhere to write it
     assert "--draft" in capsys.readouterr().err
     assert train_main(["datastore", "--data", str(tmp_path / "missing")]) == 2
+
+
+def test_a_datastore_for_another_vocabulary_is_refused_before_it_proposes(tmp_path):
+    from mirror_train.engine import EngineConfig, MirrorEngine
+    from mirror_train.models.drafter import MirrorDrafterForCausalLM
+    from mirror_train.target import Target
+    from tests.conftest import tiny_model, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    target = Target(tiny_model("llama", layers=2, vocab=len(tok)), tok, "tiny")
+    path = tmp_path / "other.npz"
+    Datastore.build([[1, 2, len(tok) + 5]] * 2).save(path)  # an id the target does not have
+    with pytest.raises(MirrorTrainError, match="another tokenizer"):
+        Datastore.load(path).check_vocab(len(tok), path)
+    engine = MirrorEngine(target, None, None, EngineConfig(placement="local", datastore=str(path)))
+    with pytest.raises(MirrorTrainError, match="another tokenizer"):
+        engine.generate([1, 2], 4, method="pld_store")
+    draft = MirrorDrafterForCausalLM.from_target(target, 1)
+    with pytest.raises(MirrorTrainError, match="another tokenizer"):
+        MirrorEngine(target, None, draft, EngineConfig(placement="local", datastore=str(path)))

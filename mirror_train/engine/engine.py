@@ -45,7 +45,7 @@ from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDra
 from mirror_train.engine.config import COPY_METHODS, METHODS, EngineConfig, Generation, StepStats
 from mirror_train.engine.latency import predicted_step_ms
 from mirror_train.engine.messages import Branches, Candidates, Load, Ping, Start, Verdict
-from mirror_train.engine.setup import bind_head, draft_spec
+from mirror_train.engine.setup import bind_head, check_datastore, draft_spec
 from mirror_train.engine.window import fit_costs
 from mirror_train.errors import MirrorTrainError
 from mirror_train.forked_window import ForkedWindow
@@ -466,6 +466,7 @@ class MirrorEngine:
             spec = {"kind": "ngram", "ngram_tokens": cfg.ngram_tokens, "adaptive_window": cfg.adaptive_window}
             if method == "pld_store":
                 spec["datastore"] = self._store_path()
+                check_datastore(spec["datastore"], self.target)
             self._pld[method] = LocalDraft(spec)
         return self._pld[method]
 

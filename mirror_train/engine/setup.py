@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig
 
 from mirror_train import fastpath
+from mirror_train.datastore import Datastore
 from mirror_train.devices import draft_device, resolve_dtype
 from mirror_train.engine.config import EngineConfig
 from mirror_train.engine.drafts import SyntheticDraftConfig
@@ -87,8 +88,15 @@ def draft_spec(target: Target, cfg: EngineConfig, draft, head: ProxyHead, workdi
     spec = {"kind": "model", "path": path, "use_streams": cfg.use_streams, **common}
     store = datastore_path(cfg.datastore, path)
     if store is not None:
+        check_datastore(store, target)
         spec["datastore"] = store
     return spec, slots
+
+
+def check_datastore(path: str, target: Target) -> None:
+    """A clear error, before any worker starts, for a datastore that cannot be read or was built for another
+    tokenizer."""
+    Datastore.load(path).check_vocab(target.vocab_size, path)
 
 
 def datastore_path(setting: str, draft_path: str) -> str | None:
