@@ -140,8 +140,11 @@ class Datastore:
 
     def propose(self, context: Sequence[int], k: int) -> tuple[list[int], list[tuple[int, float]]]:
         """Up to k tokens continuing `context` greedily, and each one's (match size, share)."""
-        ctx = [int(t) for t in context[-max(self.sizes, default=1) :]] if self.sizes else []
         tokens, evidence = [], []
+        if not self.sizes:
+            return tokens, evidence
+        width = self.sizes[0]  # the longest n-gram: all a lookup reads of the context
+        ctx = [int(t) for t in context[-width:]]
         for _ in range(k):
             step = self.next_token(ctx)
             if step is None:
@@ -149,7 +152,7 @@ class Datastore:
             token, n, share = step
             tokens.append(token)
             evidence.append((n, share))
-            ctx = ctx[1:] + [token] if len(ctx) >= self.sizes[0] else ctx + [token]
+            ctx = (ctx + [token])[-width:]
         return tokens, evidence
 
     # --- storage --------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDra
 from mirror_train.engine.config import COPY_METHODS, METHODS, EngineConfig, Generation, StepStats
 from mirror_train.engine.latency import predicted_step_ms
 from mirror_train.engine.messages import Branches, Candidates, Load, Ping, Start, Verdict
-from mirror_train.engine.setup import bind_head, check_datastore, draft_spec
+from mirror_train.engine.setup import bind_head, check_datastore, datastore_path, draft_spec
 from mirror_train.engine.window import fit_costs
 from mirror_train.errors import MirrorTrainError
 from mirror_train.forked_window import ForkedWindow
@@ -472,9 +472,7 @@ class MirrorEngine:
 
     def _store_path(self) -> str | None:
         """The datastore sd and mirror read (the draft's own under datastore=auto), else an explicit one."""
-        if self.spec is not None and self.spec.get("datastore"):
-            return self.spec["datastore"]
-        return self.config.datastore if self.config.datastore not in ("auto", "off") else None
+        return (self.spec or {}).get("datastore") or datastore_path(self.config.datastore, None)
 
     def _cost_fields(self) -> tuple[list[float] | None, float | None]:
         """(costs, step_ms) for the draft side: the target's relative verification cost by window length and its

@@ -99,13 +99,14 @@ def check_datastore(path: str, target: Target) -> None:
     Datastore.load(path).check_vocab(target.vocab_size, path)
 
 
-def datastore_path(setting: str, draft_path: str) -> str | None:
-    """The datastore a model draft serves with (EngineConfig.datastore): the artifact's own under "auto"."""
+def datastore_path(setting: str, draft_path: str | None) -> str | None:
+    """The datastore in use under EngineConfig.datastore = `setting`: the exported draft's own under "auto" (none
+    without one), none under "off", else the path given."""
     if setting == "off":
         return None
     if setting == "auto":
-        own = os.path.join(draft_path, DATASTORE_FILE)
-        return own if os.path.isfile(own) else None
+        own = os.path.join(draft_path, DATASTORE_FILE) if draft_path else None
+        return own if own and os.path.isfile(own) else None
     return setting
 
 

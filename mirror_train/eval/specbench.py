@@ -179,7 +179,7 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
             "proxy_head": _artifact_id(cfg.proxy_head),
             "draft": _artifact_id(cfg.draft),
             # the datastore sd and mirror copy from (the draft's own under datastore=auto)
-            "datastore": _file_id(datastore_path(cfg.engine.datastore, cfg.draft)) if cfg.draft else None,
+            "datastore": _file_id(datastore_path(cfg.engine.datastore, cfg.draft)),
         },
         "target": target.signature().to_dict(),
         "chat_template": tok.chat_template,
@@ -253,10 +253,7 @@ def _servable(cfg: SpecBenchConfig) -> list[str]:
     which it cannot feed the target's states (it runs the draft as a plain LM), and pld_store without a datastore
     (the draft's, or engine.datastore=PATH) are skipped with a warning."""
     methods = cfg.method_list
-    store = datastore_path(cfg.engine.datastore, cfg.draft) if cfg.draft else None
-    if cfg.engine.datastore not in ("auto", "off"):
-        store = cfg.engine.datastore
-    if "pld_store" in methods and store is None:
+    if "pld_store" in methods and datastore_path(cfg.engine.datastore, cfg.draft) is None:
         warnings.warn("skipping pld_store: no datastore (the draft has none, or there is no draft)", stacklevel=3)
         methods = [m for m in methods if m != "pld_store"]
     if "assisted" in methods and cfg.draft and _reads_target_states(cfg.draft):
