@@ -7,8 +7,8 @@ interleaved per question, and the engine's per-step statistics (StepStats) summe
 A variant is a method, optionally with suffixes that change the engine: `-noforks` (forked windows off:
 EngineConfig.forked_windows=False), `-unpriced` (the cores' contention not priced: price_contention=False),
 `-draftonednn` (the draft served on oneDNN's linears and torch's SDPA, as before the twelfth session:
-draft_fast_path=onednn), `-nostore` (no datastore of the target's answers: datastore=off), so one run compares
-with and without them. Per variant: tokens/s over the questions (prefill included, Spec-Bench's convention),
+draft_fast_path=onednn), `-nostore` (no datastore of the target's answers: datastore=off), `-draftcopies` (every
+window from the draft's process, its copies too: copies=draft), so one run compares with and without them. Per variant: tokens/s over the questions (prefill included, Spec-Bench's convention),
 committed tokens per step, drafted rows verified per step, the share of steps verifying a forked window and of
 those where its second chain was kept, and the mean ms a step of the target's prefix, suffix and of the wait for
 the next window; the share of steps whose next window is a copy (source ngram), a datastore's continuation (store)
@@ -38,6 +38,7 @@ SUFFIXES = {
     "-unpriced": ("price_contention", False),
     "-draftonednn": ("draft_fast_path", "onednn"),  # the draft served as before the twelfth session (bf16 CPUs)
     "-nostore": ("datastore", "off"),  # no datastore of the target's answers beside prompt lookup (datastore.py)
+    "-draftcopies": ("copies", "draft"),  # every window from the draft's process, as before the eighteenth session
 }
 
 
@@ -87,9 +88,9 @@ def main() -> None:
     print(f"\n{len(questions)} questions × ≤ {args.max_new_tokens} tokens, {cpu_model()}\n")
     print(
         "| variant | tok/s | vs ar | committed / step | rows / step | forked | 2nd chain kept | prefix ms | "
-        "suffix ms | wait ms | step ms | copy windows | store windows | reused | fallback ms | lossless |"
+        "suffix ms | wait ms | step ms | copy windows | store windows | draft asked | reused | fallback ms | lossless |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * 17 + "|")
     ar_rate = statistics.mean(g.tokens_per_s for _, g, _ in rows["ar"])
     for v, got in rows.items():
         steps = [s for _, g, _ in got for s in g.steps[1:]]  # the prefill aside
@@ -105,6 +106,7 @@ def main() -> None:
             f"{mean('prefix_ms'):.1f} | {mean('suffix_ms'):.1f} | {mean('wait_ms'):.1f} | {mean('step_ms'):.1f} | "
             f"{sum(s.source == 'ngram' for s in steps) / max(len(steps), 1):.2f} | "
             f"{sum(s.source == 'store' for s in steps) / max(len(steps), 1):.2f} | "
+            f"{sum(s.asked for s in steps) / max(len(steps), 1):.2f} | "
             f"{sum(bool(s.reused) for s in steps) / max(len(steps), 1):.2f} | {mean('fallback_ms'):.1f} | "
             f"{all(ok for *_, ok in got)} |"
         )
@@ -126,7 +128,8 @@ def window_kinds(generations: list[list]) -> list[tuple[str, float, float, float
     for steps in generations:
         for step, after in zip(steps, steps[1:] + [None]):
             made = "reused" if step.reused else ("serial" if step.draft_forwards else "")
-            kind = f"{step.source or 'plain'} {made}".strip()
+            here = "" if step.asked or step.source == "model" else " (target's side)"  # copies="target"
+            kind = f"{step.source or 'plain'} {made}".strip() + here
             waits.setdefault(kind, []).append(step.wait_ms)
             queued.setdefault(kind, []).append(step.queued_ms)
             if after is not None:

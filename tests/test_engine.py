@@ -286,7 +286,8 @@ def test_where_the_proxy_head_runs_and_what_it_scores_never_change_the_output(
     """On the draft's side the head gets ℓe states instead of candidates; restricted to a candidate vocabulary, a
     drafted token outside it has no proxy log-prob. Both change only the branches."""
     placed = {"head_placement": head_placement, "candidate_vocab": candidate_vocab}
-    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", **placed)
+    # every window the draft's (copies="draft"): the random draft is not worth asking beside the engine's own copies
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", copies="draft", **placed)
     with MirrorEngine(target, proxy_head(target, kind), draft, cfg) as engine:
         for prompt, ref in zip(prompts, references):
             g = engine.generate(prompt, MAX_NEW, method="mirror", stop=[])
@@ -551,7 +552,8 @@ def test_a_worker_that_raises_mid_generation_leaves_the_output_unchanged(target,
         with pytest.warns(RuntimeWarning, match="injected fault"):
             g = engine.generate(prompts[1], MAX_NEW, method="sd", stop=[], reference=references[1])
         assert g.tokens == references[1]
-        assert engine.draft is None and any(s.window for s in g.steps) and g.steps[-1].window == 0
+        # after the fault, the windows are the engine's own copies (copies="target") or plain steps
+        assert engine.draft is None and not g.steps[-2].asked
     finally:
         engine.close()
     assert_no_worker(pid)
@@ -569,7 +571,7 @@ def test_a_silent_worker_times_out_and_the_output_is_unchanged(target, prompts, 
         with pytest.warns(RuntimeWarning, match="did not answer within 0.5 s"):
             g = engine.generate(prompts[1], MAX_NEW, method="mirror", stop=[], reference=references[1])
         assert g.tokens == references[1]
-        assert all(s.window == 0 for s in g.steps)
+        assert not any(s.asked for s in g.steps) and "model" not in {s.source for s in g.steps}
         assert time.perf_counter() - start < 4.5  # the timeout, and the worker's shutdown (join 2 s, then kill)
     assert_no_worker(pid)
 
@@ -842,3 +844,55 @@ def test_pld_store_copies_from_the_datastore_and_stays_lossless(target, draft, p
         assert "store" in {s.source for s in g.steps}
     with pytest.raises(MirrorTrainError, match="datastore"):
         MirrorEngine(target, None, draft, EngineConfig(placement="local")).generate([1], 2, method="pld_store")
+
+
+def test_copies_on_the_targets_side_ask_the_draft_only_where_its_model_promises_more(target, prompts, references):
+    """copies="target": the engine's own copy server makes the windows, and the draft's process is asked only where
+    its model promised more (or to explore it). A draft that is never right is asked on fewer steps than one that
+    is always right, whose windows are verified; copies="draft" asks it at every step. Lossless throughout. (The
+    tiny target verifies 3 tokens for ~1.3 steps, so even a poor model promises about a plain step's rate: the
+    share asked falls as its acceptance is learnt, not to zero.)"""
+    asked = {}
+    for acceptance in (0.0, 1.0):
+        draft = SyntheticDraftConfig(acceptance=acceptance, forward_ms=0, num_streams=0)
+        for copies in ("target", "draft"):
+            # one-token copies: the tiny target's answers repeat, and longer copies would beat even a perfect model
+            cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", copies=copies, ngram_tokens=1)
+            with MirrorEngine(target, None, draft, cfg) as engine:
+                for method in ("sd", "mirror"):
+                    steps = []
+                    for prompt, ref in zip(prompts, references):
+                        g = engine.generate(prompt, MAX_NEW, method=method, stop=[], reference=ref)
+                        assert g.tokens == ref, (copies, method)
+                        steps += g.steps[1:-1]  # the prefill records no source; the last step sends no verdict
+                    asked[acceptance, copies, method] = sum(s.asked for s in steps) / len(steps)
+                    if acceptance == 1.0 and copies == "target":
+                        assert "model" in {s.source for s in steps if s.asked}, method
+    for method in ("sd", "mirror"):
+        assert asked[0.0, "draft", method] == asked[1.0, "draft", method] == 1.0
+        assert asked[0.0, "target", method] < min(0.75, asked[1.0, "target", method]), asked
+        assert asked[1.0, "target", method] > 0.5, asked
+
+
+def test_a_verdict_on_another_sources_window_is_booked_without_a_reply_or_a_lesson():
+    """The draft's server told the committed tokens of a window it did not make (`committed`), with `reply=False`:
+    no reply, its tokens and prompt-lookup index follow, its calibration learns nothing, and it counts a skip; the
+    next verdict it is asked for answers with a window as usual."""
+    from mirror_train.engine.drafts import SyntheticDraft
+    from mirror_train.engine.messages import Start, Verdict, Window
+    from mirror_train.engine.server import DraftServer
+
+    reference = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    server = DraftServer(SyntheticDraft(SyntheticDraftConfig(forward_ms=0, acceptance=1.0), 100), ngram_tokens=4)
+    window, _ = server.handle(Start([1, 2, 3], 3, reference))
+    assert isinstance(window, Window) and window.tokens
+    seen = dict(server.calibration.seen)
+    reply, after = server.handle(Verdict(0, 5, committed=[5], reply=False))
+    assert reply is None and after is not None
+    after()
+    reply, after = server.handle(Verdict(0, 7, committed=[6, 7], reply=False))
+    assert reply is None and server.tokens == [1, 2, 3, 5, 6, 7] and server.skipped == 2
+    assert server.calibration.seen == seen  # nothing learnt from windows it never offered
+    reply, _ = server.handle(Verdict(0, 8, committed=[8]))
+    assert isinstance(reply, Window) and reply.tokens[:1] == [9] and server.tokens[-1] == 8
+    assert {"rate", "model_rate", "explore_in"} <= set(reply.info)

@@ -74,6 +74,13 @@ class EngineConfig:
     # Verify the draft's chain and a copied one together in one pass where both promise tokens (a forked window:
     # forked_window.py), on the row-exact kernels, where a row costs ~4% of a step and every row is exact.
     forked_windows: bool = True
+    # Where sd and mirror make their copied windows (prompt lookup, the datastore): "target" = in the engine's own
+    # process, as pld_store does, the draft's process asked for a window only where its model promises more than the
+    # copy on offer (its measured acceptance and rollout time, advertised with each of its replies) or to explore
+    # it now and then; "draft" = every window from the draft's process, which weighs its model against its own
+    # copies. A reply from the draft's process costs a step its round trip even when it brings a copy (~1.5 ms of a
+    # ~20 ms step on two vCPUs, docs/engine.md), which "target" spares every step the model is not worth asking.
+    copies: Literal["target", "draft"] = "target"
     # Mirror-SD: weigh what the draft's concurrent work (look-ahead, branch rollouts) costs the target against what
     # it saves. Two CPU cores share a memory bus: the draft's forward on one slowed the target's step on the other
     # 18% on an AMD EPYC (docs/engine.md). The slowdown is measured once, the target timed alone and beside the
@@ -100,6 +107,8 @@ class EngineConfig:
             raise MirrorTrainError(f"head_placement must be target or draft, got {self.head_placement!r}")
         if not 0 <= self.ngram_tokens <= MAX_GAMMA:
             raise MirrorTrainError(f"ngram_tokens must be in 0..{MAX_GAMMA}, got {self.ngram_tokens}")
+        if self.copies not in ("target", "draft"):
+            raise MirrorTrainError(f"copies must be target or draft, got {self.copies!r}")
         if self.datastore not in ("auto", "off") and not os.path.isfile(self.datastore):
             raise MirrorTrainError(f"datastore must be auto, off or a datastore file; {self.datastore!r} is none")
         if self.threads < 1 or self.timeout_s <= 0:
@@ -144,6 +153,8 @@ class StepStats:
     fallback_ms: float = 0.0
     draft_forwards: int = 0  # forwards of the fallback rollout that made the next window (0: reused or none)
     source: str | None = None  # the next window's source: "model", "ngram" (prompt lookup) or "store" (datastore)
+    # sd, mirror: the draft's process made the next window (False: the engine's own copies, EngineConfig.copies)
+    asked: bool = False
     alt: int = 0  # rows of a forked window's second chain, verified beside the window (included in `window`)
     alt_kept: bool = False  # the second chain kept more, and was committed
     predicted_ms: float = 0.0

@@ -28,13 +28,14 @@ target-only from the committed tokens, so the output is unchanged.
 
 from __future__ import annotations
 
+import math
 import statistics
 import tempfile
 import time
 import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -114,7 +115,11 @@ class MirrorEngine:
         self._suffix_ms: float | None = None
         self._prefix_ms: float | None = None  # the target's prefix time per window (EMA): the draft's look-ahead
         self._awaiting = False  # a request is out whose reply has not been read
-        self._pld: dict[str, LocalDraft] = {}  # method → the in-process copy "draft" of pld and pld_store
+        self._pld: dict[str, LocalDraft] = {}  # method → the in-process copy server of pld, pld_store, sd, mirror
+        # Copies on the target's side (EngineConfig.copies): what the draft's process last promised for a model
+        # window (its rate, E(w)/c(w) with its rollout's time), the steps it was not asked since, and how many such
+        # steps it wants before it explores its model again (server.py `_serial_plan`)
+        self._model_rate, self._skips, self._explore_in = math.inf, 0, 0
         self._costs: tuple[list[float], float] | None = None  # relative cost by window length, one-token ms
         self._verify_samples: deque[tuple[int, float]] = deque(maxlen=64)  # (window length, target ms) per step
         self.contention: float | None = None  # the target's slowdown beside the draft's work (`_measure_contention`)
@@ -264,6 +269,8 @@ class MirrorEngine:
             seq.channel = (
                 self._pld_channel(method) if method in COPY_METHODS else self.draft if method != "ar" else None
             )
+            if method in ("sd", "mirror") and cfg.copies == "target" and cfg.adaptive_window and cfg.ngram_tokens:
+                seq.copier = self._pld_channel(method)
             stats = self._prefill(seq)
             yield seq.new, stats
             while not seq.done:
@@ -280,6 +287,9 @@ class MirrorEngine:
         slots = self.draft_slots if seq.method in ("sd", "mirror") else []
         if seq.channel is not None and not slots:
             self._send(seq, self._start_message(seq, None))
+        if seq.copier is not None:
+            seq.copier.send(self._start_message(seq, None))
+            seq.copier.recv()
         seq.cache, seq.head_cache = target.new_cache(), head.new_cache()
         early = slots == ["exit"]  # everything the draft reads is known half way through the prefill
         on_exit = None
@@ -297,13 +307,13 @@ class MirrorEngine:
         seq.new, seq.done = truncate([first], seq.stops, seq.max_new_tokens)
         stats = StepStats(committed=len(seq.new), accepted=0, window=0)
         if seq.channel is not None:
-            self._receive(seq)  # its window after the prompt: the prefill has decided that token
-            if not seq.done:
-                first_states = self._wire({slot: states[slot][-1:] for slot in slots})
-                verdict = Verdict(0, first, first_states, None, *self._cost_fields(), sent_s=time.monotonic())
-                self._send(seq, verdict)
-                reply = self._receive(seq)
-                seq.window, seq.alt, seq.fork = _window(reply)
+            self._note(self._receive(seq))  # its window after the prompt: the prefill has decided that token
+        if (seq.channel is not None or seq.copier is not None) and not seq.done:
+            first_states = self._wire({slot: states[slot][-1:] for slot in slots})
+            costs, step_ms = self._cost_fields()
+            verdict = Verdict(0, first, first_states, None, costs, step_ms, committed=[first])
+            verdict.sent_s = time.monotonic()
+            self._next_window(seq, verdict, [first])
         stats.step_ms = stats.wait_ms = stats.predicted_ms = (self._now() - t0) * 1e3
         seq.pending, seq.cached = first, len(seq.ids)
         return stats
@@ -313,6 +323,7 @@ class MirrorEngine:
         acceptance; the cache rolled back to the committed tokens; the verdict, answered by the next window."""
         cfg, target, head = self.config, self.target, self.head
         window, slots = seq.window, self.draft_slots if seq.method in ("sd", "mirror") else []
+        served = seq.served  # who made this window: the draft's process, or the engine's own copies
         # a forked window: the second chain's own tokens after the main chain's (forked_window.py)
         forked = ForkedWindow(len(window), seq.fork, len(seq.alt) - seq.fork) if seq.alt else None
         rows = [seq.pending] + window + seq.alt[seq.fork :]
@@ -323,7 +334,9 @@ class MirrorEngine:
         state = target.prefix(ids, seq.cache, self.exit_layer, forked=forked)
         t1 = t2 = t3 = self._now()
         asked = False
-        if seq.method == "mirror" and seq.channel is not None:  # an empty window too: branches for c* alone
+        # an empty window too: branches for c* alone; not for a window of the engine's own copies (its branches
+        # would prepare model windows for a step that is not asking the model)
+        if seq.method == "mirror" and seq.channel is not None and served == "draft":
             exit_main = state.hidden[0, :main]
             exit_states = {"exit": exit_main} if "exit" in slots or cfg.head_placement == "draft" else None
             candidates = None
@@ -352,7 +365,7 @@ class MirrorEngine:
         self._verify_samples.append((len(rows) - 1, (t1 - t0 + t4 - t3) * 1e3))
         t5 = self._now()
         info, seq.window, seq.alt, seq.fork = {}, [], [], 0
-        if seq.channel is not None and not seq.done:
+        if (seq.channel is not None or seq.copier is not None) and not seq.done:
             committed = {"exit": state.hidden[0, path], "final": final[0, path]}
             # the committed positions' states the draft reads and has not had: ℓe ones unless a Branches brought
             # them (the main chain's), final ones always
@@ -362,10 +375,7 @@ class MirrorEngine:
                 main_accepted, correction, self._wire(sent), self._prefix_ms, costs, step_ms, alt_accepted
             )
             verdict.sent_s = time.monotonic()  # stamped last: the draft's queue time starts here
-            if self._send(seq, verdict):
-                reply = self._receive(seq)
-                if reply is not None:
-                    (seq.window, seq.alt, seq.fork), info = _window(reply), reply.info
+            info = self._next_window(seq, verdict, drafted[:accepted] + [correction])
         t6 = self._now()
         stats.committed, stats.accepted, stats.alt_kept = len(chunk), accepted, alt_won
         stats.prefix_ms, stats.head_ms, stats.send_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
@@ -381,19 +391,20 @@ class MirrorEngine:
             stats.draft_forwards = info.get("forwards", 0)
             stats.queued_ms = info.get("queued_ms", 0.0)
             stats.source = info.get("source")
+            stats.asked = bool(info.get("asked"))
         if window:
             self._prefix_ms = _ema(self._prefix_ms, stats.prefix_ms)
         if asked:
             self._suffix_ms = _ema(self._suffix_ms, stats.suffix_ms)
         stats.predicted_ms = (
             predicted_step_ms(
-                seq.method if window and seq.method not in COPY_METHODS else "ar",
+                seq.method if window and served == "draft" else "ar",
                 stats.prefix_ms,
                 stats.head_ms,
                 stats.suffix_ms,
                 stats.branch_ms,
                 stats.fallback_ms,
-                stats.send_ms + (self.channel_ms if info and seq.method not in COPY_METHODS else 0.0),
+                stats.send_ms + (self.channel_ms if stats.asked else 0.0),
             )
             + (t5 - t4) * 1e3
         )
@@ -436,7 +447,7 @@ class MirrorEngine:
         try:
             seq.channel.send(msg)
             if seq.channel is self.draft:
-                self._awaiting = not isinstance(msg, Branches)
+                self._awaiting = not isinstance(msg, Branches) and getattr(msg, "reply", True)
             return True
         except DraftUnavailable as e:
             self._drop(seq, e)
@@ -459,16 +470,56 @@ class MirrorEngine:
         seq.channel, seq.window = None, []
 
     def _pld_channel(self, method: str) -> LocalDraft:
-        """Copies alone (pld: prompt lookup; pld_store: and the datastore): the draft server with no model,
-        in-process (a copy costs microseconds)."""
+        """Copies alone, in-process (a copy costs microseconds): the draft server with no model. pld: prompt lookup;
+        pld_store: and the datastore; sd, mirror: their copies on the target's side (EngineConfig.copies), from the
+        same sources as their draft's process. One per method, so that no method learns from another's verdicts."""
         if method not in self._pld:
             cfg = self.config
             spec = {"kind": "ngram", "ngram_tokens": cfg.ngram_tokens, "adaptive_window": cfg.adaptive_window}
-            if method == "pld_store":
+            if method != "pld":
                 spec["datastore"] = self._store_path()
-                check_datastore(spec["datastore"], self.target)
+                if spec["datastore"] is not None:
+                    check_datastore(spec["datastore"], self.target)
             self._pld[method] = LocalDraft(spec)
         return self._pld[method]
+
+    def _next_window(self, seq: _Sequence, verdict: Verdict, committed: list[int]) -> dict:
+        """Send a step's verdict; set the next window; return how it was made (the reply's info).
+
+        With copies on the target's side (`seq.copier`), the engine's own copy server answers first, and the draft's
+        process is asked for a window (else only told what was committed, `reply=False`) where its model promised
+        more than that copy in its last reply, or where it is due to explore its model again; of the two windows,
+        the one that promises more. A server whose window was not the one verified is sent the committed tokens
+        instead (it learns nothing from an offer the target never saw)."""
+        if seq.copier is None:
+            reply = self._receive(seq) if self._send(seq, verdict) else None
+            seq.window, seq.alt, seq.fork = _window(reply)
+            seq.served = "draft"
+            return {} if reply is None else self._note(reply).info | {"asked": True}
+        seq.copier.send(replace(verdict, states=None, committed=None if seq.served == "copier" else committed))
+        copy = seq.copier.recv()
+        copy_rate = copy.info.get("rate", 1.0)
+        ask = seq.channel is not None and (self._model_rate > copy_rate or self._skips >= self._explore_in)
+        reply = None
+        if seq.channel is not None:
+            told = replace(verdict, committed=None if seq.served == "draft" else committed, reply=ask)
+            if self._send(seq, told) and ask:
+                reply = self._note(self._receive(seq))
+        self._skips = 0 if reply is not None else self._skips + 1
+        if reply is not None and reply.info.get("rate", 0.0) >= copy_rate:
+            seq.window, seq.alt, seq.fork = _window(reply)
+            seq.served = "draft"
+            return reply.info | {"asked": True}
+        seq.window, seq.alt, seq.fork = _window(copy)
+        seq.served = "copier"
+        drafted = {} if reply is None else reply.info | {"asked": True, "reused": None}
+        return drafted | {key: copy.info.get(key) for key in ("source", "alt_source", "rate")}
+
+    def _note(self, reply):
+        """Keep what a reply of the draft's process promises for its next model window (`_next_window`)."""
+        if reply is not None and "model_rate" in reply.info:
+            self._model_rate, self._explore_in = reply.info["model_rate"], reply.info["explore_in"]
+        return reply
 
     def _store_path(self) -> str | None:
         """The datastore sd and mirror read (the draft's own under datastore=auto), else an explicit one."""
@@ -556,6 +607,8 @@ class _Sequence:
     max_new_tokens: int
     reference: list[int] | None = None
     channel: object = None  # the draft this sequence talks to (None: target-only, or the draft failed)
+    copier: object = None  # sd, mirror: the engine's own copy server (EngineConfig.copies="target"), else None
+    served: str | None = None  # who made the window being verified: "draft" (its process) or "copier"
     new: list[int] = field(default_factory=list)
     done: bool = False
     cache: object = None

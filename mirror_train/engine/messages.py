@@ -7,7 +7,9 @@ name ("exit": the target's layer-ℓe states, "final": its final states) to rows
     Start       → Window      a new sequence: prefill, then roll out the first window
     Branches    (no reply)   Mirror-SD, after the target's prefix over the window: rank and roll out branches while
                              the target finishes (the proxy head's candidates, or the ℓe states for a head here)
-    Verdict     → Window     the target's verdict: commit; the next window (a rolled-out branch or a fallback)
+    Verdict     → Window     the target's verdict: commit; the next window (a rolled-out branch or a fallback);
+                             no reply where the engine serves the next window itself (`reply=False`: copies on the
+                             target's side, `EngineConfig.copies`)
     Ping        → Pong       the channel's round trip
     Load        → Pong       run the draft's own work for a while (the engine times its target beside it: how
                              much the draft's work slows the target, `EngineConfig.price_contention`)
@@ -73,6 +75,10 @@ class Verdict:
     alt_accepted: int | None = None
     # time.monotonic() when the target sent it: how long it waited for the draft to finish earlier work (Branches)
     sent_s: float | None = None
+    # The tokens committed this step where the window verified was not this server's (the engine served another
+    # source's, or none was verified: the prompt's first token): taken as committed, nothing learnt from them
+    committed: list[int] | None = None
+    reply: bool = True  # False: the engine serves the next window itself; book-keep, answer nothing
 
 
 @dataclass

@@ -258,6 +258,12 @@ class DraftServer:
         # main chain then kept exactly the shared stem, and no branch (they hang off the main chain) is the next one
         alt_won = msg.alt_accepted is not None and msg.alt_accepted > accepted
         taken = int(msg.alt_accepted) if alt_won else accepted
+        # another source's window was verified (or none: the prompt's first token): its tokens are committed, and
+        # this server's offer, which the target never saw, teaches nothing
+        foreign = msg.committed is not None
+        if foreign:
+            alt_won, taken = False, len(msg.committed) - 1
+            self.window_keys, self.alt_keys, self.window_p = [], [], None
         self.ahead = None
         if self.conditioned:  # the states of the newest committed token and of d_1..d_A become committed ones
             states = dict(msg.states or {})
@@ -267,7 +273,7 @@ class DraftServer:
                 states["exit"] = self.window_states
             self._append_states(states, 1 + taken, "the verdict")
             self.window_states = None
-        committed = (self.alt if alt_won else self.window)[:taken] + [correction]
+        committed = list(msg.committed) if foreign else (self.alt if alt_won else self.window)[:taken] + [correction]
         self.tokens += committed
         if self.ngram is not None:
             self.ngram.extend(committed)
@@ -286,7 +292,14 @@ class DraftServer:
             if not alt_won:
                 info["candidates"] = self.cands[accepted]
             self.window_p = self.cands = None
-        hit = None if alt_won else self.rolled.get((accepted, correction))
+        hit = None if alt_won or foreign or not msg.reply else self.rolled.get((accepted, correction))
+        if not msg.reply:  # the engine serves the next window itself: book-keep, and catch up while it verifies
+            self.skipped += 1  # a step the model was not worth asking for counts as a skipped rollout
+            if self.rolled_spine:
+                self._keep(self.rolled_spine + (0 if self.refeed else accepted))
+                self.rolled, self.rolled_spine, self.num_branches = {}, 0, 0
+            self.window, self.window_pairs, self.window_keys = [], None, []
+            return None, self._catch_up
         if self.rolled_spine:
             # the pending tokens, and the accepted window unless it must be fed again as committed tokens
             keep = self.rolled_spine + (0 if self.refeed else accepted)
@@ -347,29 +360,41 @@ class DraftServer:
         copied window, or a plain step). After `explore_every` skips with no model window verified (a Mirror-SD
         branch reused measures the model too) one pass is rolled out anyway, so that the model's acceptance keeps
         being measured; while the explorations confirm the skip, they grow rarer (EXPLORE_MAX)."""
-        line = rollout_line(self.samples)
-        if self.backend is None:
-            return 0
-        if not self.adaptive_window or line is None or not self.step_ms or not self.costs:
-            return self.gamma
-        streams = getattr(self.backend, "num_streams", 0)
+        n, rate = self._model_plan(drafted)
+        if self.backend is None or math.isinf(rate):  # no model, or nothing measured to plan by yet
+            return n
         if not drafted and self.skipped >= self.explore_every:
             self.skipped = 0
             self.explore_every = min(EXPLORE_MAX, 2 * self.explore_every)
-            return min(self.gamma, 1 + streams)
-        passes = -(-self.gamma // (1 + streams))
-        pass_ms = (line[0] + line[1]) / passes  # one branch's pass
-        # what a serial rollout measured beyond its passes at that price (feeding the committed tokens, the reply)
-        overhead_ms = serial_overhead(self.serial_samples, pass_ms)
-        accept, alternative = self._model_acceptance(), self._alternative_rate()
-        n, rate = rollout_plan(
-            accept, self.costs, pass_ms / self.step_ms, 1 + streams, self.gamma, drafted, overhead_ms / self.step_ms
-        )
-        if rate > alternative:
+            return min(self.gamma, 1 + getattr(self.backend, "num_streams", 0))
+        if rate > self._alternative_rate():
             self.skipped, self.explore_every = 0, EXPLORE
             return n
         self.skipped += 1
         return 0
+
+    def _model_plan(self, drafted: int) -> tuple[int, float]:
+        """`window.rollout_plan` for the model at its mean acceptance so far: (tokens to draft, the rate promised),
+        `drafted` of them already there; (γ, inf) while nothing is measured to plan by (no rollout timed yet)."""
+        line = rollout_line(self.samples)
+        if self.backend is None:
+            return 0, 0.0
+        if not self.adaptive_window or line is None or not self.step_ms or not self.costs:
+            return self.gamma, math.inf
+        streams = getattr(self.backend, "num_streams", 0)
+        passes = -(-self.gamma // (1 + streams))
+        pass_ms = (line[0] + line[1]) / passes  # one branch's pass
+        # what a serial rollout measured beyond its passes at that price (feeding the committed tokens, the reply)
+        overhead_ms = serial_overhead(self.serial_samples, pass_ms)
+        return rollout_plan(
+            self._model_acceptance(),
+            self.costs,
+            pass_ms / self.step_ms,
+            1 + streams,
+            self.gamma,
+            drafted,
+            overhead_ms / self.step_ms,
+        )
 
     def _copy(self, first: int | None = None) -> tuple[tuple, float]:
         """The copied window (tokens, keys, source) on offer and its rate E(w)/c(w) at its best length (0.0: none):
@@ -420,24 +445,26 @@ class DraftServer:
                 length, rate = len(tokens), (2.0 if source == "model" else 1.0) if tokens else 0.0
             if best is None or rate > best[0]:
                 best = (rate, tokens[:length], None if pairs is None else pairs[:length], keys[:length], source)
-        _, self.window, self.window_pairs, self.window_keys, source = best
+        rate, self.window, self.window_pairs, self.window_keys, source = best
         self.alt, self.alt_keys, self.fork, self.alt_source = [], [], 0, None
         if self.forks and self.adaptive_window and self.ngram is not None and not explore:
-            source = self._fork(options, best) or source
+            source, rate = self._fork(options, best) or (source, rate)
         offered = any(tokens for tokens, *_ in options)
         self.unexplored = self.unexplored + 1 if offered and not self.window else 0
         alt_source = self.alt_source if self.alt else None
-        info = info | {"source": source if self.window else None, "alt_source": alt_source}
+        info = info | {"source": source if self.window else None, "alt_source": alt_source, "rate": rate}
+        if self.backend is not None:  # what asking the model next step promises, for an engine serving copies itself
+            info |= {"model_rate": self._model_plan(0)[1], "explore_in": max(0, self.explore_every - self.skipped)}
         return Window(list(self.window), info, list(self.alt), self.fork)
 
-    def _fork(self, options: list, best: tuple) -> str | None:
+    def _fork(self, options: list, best: tuple) -> tuple[str, float] | None:
         """The model's chain and a copied one as one forked window, where that promises more committed tokens per
         unit of the target's time than the best single window (`best`, its rate first). The copies tried (prompt
         lookup's and the datastore's): the one after the committed text (options[1], if any), and those after the
         committed text and the model's first f drafted tokens (f = 1..w−1: the model starts a quote, the copy
         finishes it), which hang off the model's chain after its f-th token. The main chain is the better single
         source's (Mirror-SD's branches hang off it); a copy after model tokens always hangs off the model's.
-        Returns the main chain's source, None where no fork pays."""
+        Returns the main chain's source and the fork's rate, None where no fork pays."""
         model = options[0]
         tokens_a, keys_a = model[0], model[2]
         if not tokens_a:
@@ -468,7 +495,7 @@ class DraftServer:
         self.window_pairs = None if pairs is None else pairs[:length]
         self.alt, self.alt_keys, self.fork = list(other[0][: other[3]]), other[2][: other[3]], min(shared, la, lb)
         self.alt_source = other[4]
-        return source
+        return source, choice[0]
 
     def _serial(self, tail: Rollout, n: int) -> Rollout:
         """Draft `n` tokens one branch deep after the committed tokens the cache lacks and the drafted `tail` (which
