@@ -8,11 +8,12 @@ A variant is a method, optionally with suffixes that change the engine: `-nofork
 EngineConfig.forked_windows=False), `-unpriced` (the cores' contention not priced: price_contention=False),
 `-draftonednn` (the draft served on oneDNN's linears and torch's SDPA, as before the twelfth session:
 draft_fast_path=onednn), `-nostore` (no datastore of the target's answers: datastore=off), `-draftcopies` (every
-window from the draft's process, its copies too: copies=draft), so one run compares with and without them. Per variant: tokens/s over the questions (prefill included, Spec-Bench's convention),
-committed tokens per step, drafted rows verified per step, the share of steps verifying a forked window and of
-those where its second chain was kept, and the mean ms a step of the target's prefix, suffix and of the wait for
-the next window; the share of steps whose next window is a copy (source ngram), a datastore's continuation (store)
-and that reused a branch rolled out during the suffix, and the draft's serial rollout ms a step. Every answer is
+window from the draft's process, its copies too: copies=draft), so one run compares with and without them. Per
+variant: tokens/s over the questions (prefill included, Spec-Bench's convention), committed tokens per step, drafted
+rows verified per step, the share of steps verifying a forked window and of those where its second chain was kept,
+and the mean ms a step of the target's prefix, suffix and of the wait for the next window; the share of steps
+whose next window is a copy (source ngram), a datastore's continuation (store), that asked the draft's process for
+it, and that reused a branch rolled out during the suffix, and the draft's serial rollout ms a step. Every answer is
 checked against ar's, token for token. Prints a Markdown table, then a second one that splits each drafting variant's
 steps by how their next window was made (a plain step, a copy, the model's tokens; drafted after the verdict,
 "serial", or reused from a branch rolled out during the target's step): the share of steps, the target's mean wait
