@@ -107,6 +107,28 @@ def test_the_server_offers_whichever_copy_promises_more():
     assert server._copy()[0][2] == "ngram"
 
 
+def test_with_no_model_the_two_copy_sources_fork_where_both_promise_tokens():
+    """With forked windows and no model (pld_store, the engine's own copies), prompt lookup's chain and the
+    datastore's, which differ from their first token, are verified together where a row costs little: the window is
+    the better one's, the second chain the other's; with one source only, a single window."""
+    from mirror_train.engine.rollout import Rollout
+
+    store = Datastore.build([[5, 6, 7, 8, 9]] * 3, DatastoreConfig(min_n=2, max_n=2, min_count=1))
+    server = server_with(store, [5, 6, 1, 5, 6])  # prompt lookup copies 1, 5, 6; the store says 7, 8, 9
+    server.forks = True
+    for _ in range(6):  # each source's first token kept about half the time
+        server.calibration.update([("ngram", 2, False)] * 3, 1)
+        server.calibration.update([("store", 2, 3, False)] * 3, 0)
+    window = server._offer(Rollout([], [], 0, [], None), {})
+    assert {window.info["source"], window.info["alt_source"]} == {"ngram", "store"}
+    assert window.fork == 0 and window.tokens[0] != window.alt[0]
+    assert window.tokens[:1] == [1] and window.alt[:1] == [7]  # the main chain is the better single copy's
+    single = server_with(store, [1, 2, 3, 1, 2])  # the store has nothing after (1, 2)
+    single.forks = True
+    window = single._offer(Rollout([], [], 0, [], None), {})
+    assert window.alt == [] and window.info["source"] == "ngram"
+
+
 def test_without_a_datastore_the_server_copies_as_before():
     server = server_with(None, [1, 2, 3, 1, 2])
     index = NgramIndex()

@@ -829,14 +829,18 @@ def test_a_priced_contention_skips_rollouts_and_stays_lossless(target, draft, pr
     assert branches[100.0] < branches[0.0]
 
 
-def test_pld_store_copies_from_the_datastore_and_stays_lossless(target, draft, prompts, references, tmp_path):
+@pytest.mark.parametrize("adaptive_window", [False, True])
+def test_pld_store_copies_from_the_datastore_and_stays_lossless(
+    target, draft, prompts, references, tmp_path, adaptive_window
+):
     """Method pld_store: prompt lookup and a datastore of the target's answers (here the references themselves, so
-    its windows are kept), no model; without a datastore it is refused."""
+    its windows are kept), no model; adaptive windows may fork the two sources' chains. Without a datastore it is
+    refused."""
     from mirror_train.datastore import Datastore, DatastoreConfig
 
     path = tmp_path / "datastore.npz"
     Datastore.build([p[-4:] + r for p, r in zip(prompts, references)], DatastoreConfig(min_count=1)).save(path)
-    cfg = EngineConfig(placement="local", adaptive_window=False, datastore=str(path))
+    cfg = EngineConfig(placement="local", adaptive_window=adaptive_window, datastore=str(path))
     with MirrorEngine(target, None, None, cfg) as engine:
         for prompt, ref in zip(prompts, references):
             g = engine.generate(prompt, MAX_NEW, method="pld_store", stop=[])

@@ -458,22 +458,28 @@ class DraftServer:
         return Window(list(self.window), info, list(self.alt), self.fork)
 
     def _fork(self, options: list, best: tuple) -> tuple[str, float] | None:
-        """The model's chain and a copied one as one forked window, where that promises more committed tokens per
-        unit of the target's time than the best single window (`best`, its rate first). The copies tried (prompt
-        lookup's and the datastore's): the one after the committed text (options[1], if any), and those after the
-        committed text and the model's first f drafted tokens (f = 1..w−1: the model starts a quote, the copy
-        finishes it), which hang off the model's chain after its f-th token. The main chain is the better single
-        source's (Mirror-SD's branches hang off it); a copy after model tokens always hangs off the model's.
-        Returns the main chain's source and the fork's rate, None where no fork pays."""
+        """Two chains as one forked window, where that promises more committed tokens per unit of the target's time
+        than the best single window (`best`, its rate first). With a model window: the model's chain and a copy, the
+        copies tried (prompt lookup's and the datastore's) being the one after the committed text (options[1], if
+        any) and those after the committed text and the model's first f drafted tokens (f = 1..w−1: the model starts
+        a quote, the copy finishes it), which hang off the model's chain after its f-th token; the main chain is the
+        better single source's (Mirror-SD's branches hang off it), and a copy after model tokens always hangs off the
+        model's. With none (pld_store, the engine's own copies): the better copy and the other source's, where they
+        differ (held-out answers: either source's proposal alone matched 1.3–1.9 tokens a step, the better of the two
+        2.4; docs/engine.md). Returns the main chain's source and the fork's rate, None where no fork pays."""
         model = options[0]
-        tokens_a, keys_a = model[0], model[2]
-        if not tokens_a:
+        if model[0]:
+            tokens_a, pairs_a, keys_a, source_a = model
+            chains = [(options[1][0], options[1][2], options[1][3])] if len(options) > 1 else []
+            for f in range(1, len(tokens_a)):
+                for copy, keys, source in self._copies(after=tokens_a[:f]):
+                    if copy[0] != tokens_a[f]:  # else it is (or starts as) the model's own chain
+                        chains.append((tokens_a[:f] + copy, keys_a[:f] + keys, source))
+        elif len(options) > 1:
+            tokens_a, pairs_a, keys_a, source_a = options[1]
+            chains = [chain for chain in self._copies() if chain[2] != source_a]
+        else:
             return None
-        chains = [(options[1][0], options[1][2], options[1][3])] if len(options) > 1 else []
-        for f in range(1, len(tokens_a)):
-            for copy, keys, source in self._copies(after=tokens_a[:f]):
-                if copy[0] != tokens_a[f]:  # else it is (or starts as) the model's own chain
-                    chains.append((tokens_a[:f] + copy, keys_a[:f] + keys, source))
         choice = None
         for i, (tokens_b, keys_b, _) in enumerate(chains):
             shared = 0
@@ -486,9 +492,9 @@ class DraftServer:
         if choice is None:
             return None
         _, i, la, lb, shared = choice
-        tokens_b, keys_b, copy_source = chains[i]
-        main, other = (model[0], model[1], keys_a, la, "model"), (tokens_b, None, keys_b, lb, copy_source)
-        if i == 0 and len(options) > 1 and best[4] != "model" and best[1]:  # the plain copy is the better one
+        tokens_b, keys_b, source_b = chains[i]
+        main, other = (tokens_a, pairs_a, keys_a, la, source_a), (tokens_b, None, keys_b, lb, source_b)
+        if model[0] and i == 0 and len(options) > 1 and best[4] != "model" and best[1]:  # the plain copy is better
             main, other = other, main
         tokens, pairs, keys, length, source = main
         self.window, self.window_keys = list(tokens[:length]), keys[:length]
