@@ -114,7 +114,7 @@ def _file_id(file: Path | str | None, name: str | None = None) -> str | None:
 
 
 # settings added after runs were recorded without them, at the value those runs had in effect
-_LATER_SETTINGS = {"target_dtype": "float32", "engine.datastore": "auto", "datastore": None}
+_LATER_SETTINGS = {"target_dtype": "float32", "engine.datastore": "auto", "datastore": None, "engine.copies": "draft"}
 
 
 def _check_resume(out: Path, record: dict) -> None:
