@@ -148,3 +148,12 @@ def test_the_state_table_grows_and_reads_rows_with_zeros_before_its_start():
     torch.testing.assert_close(table.rows(-1, 3, 2), torch.cat([torch.zeros(1, 2), everything[:2]]))
     torch.testing.assert_close(table.rows(97, 3, 2), everything[97:])
     assert table.rows(5, 0, 2).shape == (0, 2) and StateTable().rows(-1, 1, 2).shape == (1, 2)
+
+
+def test_the_draft_is_asked_where_its_model_promises_more_than_the_copy_or_is_due_to_explore():
+    from mirror_train.engine.window import ask_model
+
+    assert ask_model(1.4, 1.2, 0, 8) and not ask_model(1.1, 1.2, 0, 8)
+    assert not ask_model(0.9, 0.0, 0, 8)  # no copy: a plain step's rate 1 is the bar
+    assert ask_model(0.9, 1.2, 8, 8) and not ask_model(0.9, 1.2, 7, 8)  # due to explore after 8 skipped steps
+    assert ask_model(float("inf"), 5.0, 0, 8)  # nothing measured yet: the model is asked

@@ -47,7 +47,7 @@ from mirror_train.engine.config import COPY_METHODS, METHODS, EngineConfig, Gene
 from mirror_train.engine.latency import predicted_step_ms
 from mirror_train.engine.messages import Branches, Candidates, Load, Ping, Start, Verdict
 from mirror_train.engine.setup import bind_head, check_datastore, datastore_path, draft_spec
-from mirror_train.engine.window import fit_costs
+from mirror_train.engine.window import ask_model, fit_costs
 from mirror_train.errors import MirrorTrainError
 from mirror_train.forked_window import ForkedWindow
 from mirror_train.generation import encode_chat, stop_token_ids
@@ -499,7 +499,7 @@ class MirrorEngine:
         seq.copier.send(replace(verdict, states=None, committed=None if seq.served == "copier" else committed))
         copy = seq.copier.recv()
         copy_rate = copy.info.get("rate", 1.0)
-        ask = seq.channel is not None and (self._model_rate > copy_rate or self._skips >= self._explore_in)
+        ask = seq.channel is not None and ask_model(self._model_rate, copy_rate, self._skips, self._explore_in)
         reply = None
         if seq.channel is not None:
             told = replace(verdict, committed=None if seq.served == "draft" else committed, reply=ask)

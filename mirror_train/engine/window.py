@@ -185,3 +185,11 @@ def serial_overhead(samples: Sequence[tuple[int, float]], pass_ms: float) -> flo
     if not samples:
         return 0.0
     return max(0.0, sum(ms - n * pass_ms for n, ms in samples) / len(samples))
+
+
+def ask_model(model_rate: float, copy_rate: float, skipped: int, explore_in: int) -> bool:
+    """Whether the engine asks the draft's process for the next window where it serves copies itself
+    (EngineConfig.copies = "target"): where the rate the model last promised beats the copy on offer (a plain step's
+    1 where there is none), or where the draft is due to explore its model again (`explore_in` skipped steps after
+    its last reply; server.py `_serial_plan`)."""
+    return model_rate > max(copy_rate, 1.0) or skipped >= explore_in
