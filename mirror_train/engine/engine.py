@@ -13,6 +13,9 @@ cache, and a drafted window d_1..d_w:
        verification (window.py)
     5. rollback: the target's cache (and an attention head's) is cropped to the committed tokens; the draft keeps
        the committed path of its tree and drops the rest (server.py)
+Copies (prompt lookup, the datastore) are made on the target's side by default (`EngineConfig.copies`): the engine's
+own copy server offers one after every verdict, and the draft's process is asked for the next window only where its
+model promised more (`_next_window`); Mirror-SD's steps 1–3 run for the draft's own windows.
 `method="sd"` is serial speculative decoding with the same draft, channel, windows and verification (no early exit,
 no branches); `method="pld"` verifies copied windows alone (no draft model), `method="pld_store"` copies from the
 datastore of the target's own answers too (datastore.py; still no model); `method="ar"` is the target alone.
