@@ -172,3 +172,25 @@ def test_a_datastore_for_another_vocabulary_is_refused_before_it_proposes(tmp_pa
     draft = MirrorDrafterForCausalLM.from_target(target, 1)
     with pytest.raises(MirrorTrainError, match="another tokenizer"):
         MirrorEngine(target, None, draft, EngineConfig(placement="local", datastore=str(path)))
+
+
+def test_the_held_out_walk_of_scripts_bench_datastore():
+    """bench_datastore's walk: a store that holds the answer proposes all of it (8 matched and the target's own
+    token, then the last 7), prompt lookup copies a repeat after its first occurrence, and an unknown setting is one line."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_datastore.py"
+    spec = importlib.util.spec_from_file_location("bench_datastore", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    prompt, answer = [1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    store = Datastore.build([prompt[-2:] + answer] * 2, DatastoreConfig(min_count=1))
+    out = bench.walk(prompt, answer, store, window=8, tail=2)
+    assert out["store"] == [16, 2] and out["kept"] == 15 and out["proposed"] == 2
+    repeat = [4, 5, 6, 7, 4, 5, 6, 7]
+    out = bench.walk(prompt, repeat, None, window=8, tail=2)
+    assert out["ngram"][0] == 8 and out["ngram"][1] < 8  # the second 4, 5, 6, 7 copied
+    assert bench.parse_setting("min_count=1,data=0.5") == (DatastoreConfig(min_count=1), 0.5)
+    with pytest.raises(MirrorTrainError, match="unknown datastore setting"):
+        bench.parse_setting("window=3")
