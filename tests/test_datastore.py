@@ -176,7 +176,8 @@ def test_a_datastore_for_another_vocabulary_is_refused_before_it_proposes(tmp_pa
 
 def test_the_held_out_walk_of_scripts_bench_datastore():
     """bench_datastore's walk: a store that holds the answer proposes all of it (8 matched and the target's own
-    token, then the last 7), prompt lookup copies a repeat after its first occurrence, and an unknown setting is one line."""
+    token, then the last 7), prompt lookup copies a repeat after its first occurrence, and an unknown setting is
+    one line."""
     import importlib.util
     from pathlib import Path
 
