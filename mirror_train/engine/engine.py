@@ -498,7 +498,8 @@ class MirrorEngine:
             reply = self._receive(seq) if self._send(seq, verdict) else None
             seq.window, seq.alt, seq.fork = _window(reply)
             seq.served = "draft"
-            return {} if reply is None else self._note(reply).info | {"asked": True}
+            # pld and pld_store ask no draft's process: their copy server is in-process
+            return {} if reply is None else self._note(reply).info | {"asked": seq.method not in COPY_METHODS}
         seq.copier.send(replace(verdict, states=None, committed=None if seq.served == "copier" else committed))
         copy = seq.copier.recv()
         copy_rate = copy.info.get("rate", 1.0)
