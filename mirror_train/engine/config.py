@@ -153,6 +153,7 @@ class StepStats:
     fallback_ms: float = 0.0
     draft_forwards: int = 0  # forwards of the fallback rollout that made the next window (0: reused or none)
     source: str | None = None  # the next window's source: "model", "ngram" (prompt lookup) or "store" (datastore)
+    alt_source: str | None = None  # the source of its second chain, where it is a forked window
     # sd, mirror: the draft's process made the next window (False: the engine's own copies, EngineConfig.copies)
     asked: bool = False
     alt: int = 0  # rows of a forked window's second chain, verified beside the window (included in `window`)

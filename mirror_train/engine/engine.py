@@ -393,7 +393,7 @@ class MirrorEngine:
             stats.branch_ms, stats.fallback_ms = info.get("branch_ms", 0.0), info.get("fallback_ms", 0.0)
             stats.draft_forwards = info.get("forwards", 0)
             stats.queued_ms = info.get("queued_ms", 0.0)
-            stats.source = info.get("source")
+            stats.source, stats.alt_source = info.get("source"), info.get("alt_source")
             stats.asked = bool(info.get("asked"))
         if window:
             self._prefix_ms = _ema(self._prefix_ms, stats.prefix_ms)
