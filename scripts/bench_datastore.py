@@ -24,9 +24,8 @@ from pathlib import Path
 from mirror_train.data.selfdistill import answer_sequences, load_selfdistill
 from mirror_train.datastore import Datastore, DatastoreConfig
 from mirror_train.engine.ngram import NgramIndex
+from mirror_train.engine.server import STORE_CONTEXT  # the committed tokens a proposal reads, as the engine's
 from mirror_train.errors import MirrorTrainError
-
-STORE_CONTEXT = 8  # as the draft server's (engine/server.py)
 
 
 def matched(proposal: list[int], truth: list[int]) -> int:

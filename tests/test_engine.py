@@ -900,3 +900,18 @@ def test_a_verdict_on_another_sources_window_is_booked_without_a_reply_or_a_less
     reply, _ = server.handle(Verdict(0, 8, committed=[8]))
     assert isinstance(reply, Window) and reply.tokens[:1] == [9] and server.tokens[-1] == 8
     assert {"rate", "model_rate", "explore_in"} <= set(reply.info)
+
+
+def test_pld_store_keeps_the_drafts_datastore_after_the_draft_fails(target, draft, prompts, references, tmp_path):
+    """The datastore in use is resolved once: a draft artifact's own (datastore=auto) still serves pld_store after
+    the draft's worker failed and the engine dropped its spec."""
+    from mirror_train.datastore import Datastore, DatastoreConfig
+    from mirror_train.models.draft_artifact import save_draft
+
+    store = Datastore.build([p[-4:] + r for p, r in zip(prompts, references)], DatastoreConfig(min_count=1))
+    path = save_draft(draft, tmp_path / "draft", target, datastore=store)
+    with MirrorEngine(target, None, str(path), EngineConfig(placement="local")) as engine:
+        with pytest.warns(RuntimeWarning, match="injected"):
+            engine._fault(RuntimeError("injected"))  # as a worker that died: the spec goes
+        assert engine.spec is None
+        assert engine.generate(prompts[1], MAX_NEW, method="pld_store", stop=[]).tokens == references[1]

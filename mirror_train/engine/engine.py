@@ -118,7 +118,12 @@ class MirrorEngine:
         self._suffix_ms: float | None = None
         self._prefix_ms: float | None = None  # the target's prefix time per window (EMA): the draft's look-ahead
         self._awaiting = False  # a request is out whose reply has not been read
-        self._pld: dict[str, LocalDraft] = {}  # method → the in-process copy server of pld, pld_store, sd, mirror
+        self._copiers: dict[str, LocalDraft] = {}  # method → its in-process copy server (pld, pld_store, sd, mirror)
+        # The datastore sd, mirror and pld_store copy from, resolved once (a draft that fails takes its spec with it,
+        # and the methods after it would lose the draft's datastore); draft_spec checked the draft's, an explicit one
+        # without a draft is checked when a method first needs it (`_copier`)
+        self._store = (self.spec or {}).get("datastore") or datastore_path(cfg.datastore, None)
+        self._store_unchecked = self._store is not None and self._store != (self.spec or {}).get("datastore")
         # Copies on the target's side (EngineConfig.copies): what the draft's process last promised for a model
         # window (its rate, E(w)/c(w) with its rollout's time), the steps it was not asked since, and how many such
         # steps it wants before it explores its model again (server.py `_serial_plan`)
@@ -243,7 +248,7 @@ class MirrorEngine:
             raise MirrorTrainError(f"method {method!r} needs a draft; this engine has none (or its draft failed)")
         if method in COPY_METHODS and not self.config.ngram_tokens:
             raise MirrorTrainError(f"method {method!r} copies windows from the text: it needs ngram_tokens ≥ 1")
-        if method == "pld_store" and self._store_path() is None:
+        if method == "pld_store" and self._store is None:
             raise MirrorTrainError(
                 "method 'pld_store' copies from a datastore of the target's answers: give a draft that has one "
                 "(datastore=auto) or datastore=PATH"
@@ -269,11 +274,9 @@ class MirrorEngine:
                 self._costs = self._measure_costs()
             if method == "mirror" and self.contention is None:
                 self.contention = self._measure_contention()
-            seq.channel = (
-                self._pld_channel(method) if method in COPY_METHODS else self.draft if method != "ar" else None
-            )
+            seq.channel = self._copier(method) if method in COPY_METHODS else self.draft if method != "ar" else None
             if method in ("sd", "mirror") and cfg.copies == "target" and cfg.adaptive_window and cfg.ngram_tokens:
-                seq.copier = self._pld_channel(method)
+                seq.copier = self._copier(method)
             stats = self._prefill(seq)
             yield seq.new, stats
             while not seq.done:
@@ -472,19 +475,20 @@ class MirrorEngine:
             self._fault(err)
         seq.channel, seq.window = None, []
 
-    def _pld_channel(self, method: str) -> LocalDraft:
+    def _copier(self, method: str) -> LocalDraft:
         """Copies alone, in-process (a copy costs microseconds): the draft server with no model. pld: prompt lookup;
         pld_store: and the datastore; sd, mirror: their copies on the target's side (EngineConfig.copies), from the
         same sources as their draft's process. One per method, so that no method learns from another's verdicts."""
-        if method not in self._pld:
+        if method not in self._copiers:
             cfg = self.config
             spec = {"kind": "ngram", "ngram_tokens": cfg.ngram_tokens, "adaptive_window": cfg.adaptive_window}
-            if method != "pld":
-                spec["datastore"] = self._store_path()
-                if spec["datastore"] is not None:
-                    check_datastore(spec["datastore"], self.target)
-            self._pld[method] = LocalDraft(spec)
-        return self._pld[method]
+            if method != "pld" and self._store is not None:
+                if self._store_unchecked:
+                    check_datastore(self._store, self.target)
+                    self._store_unchecked = False
+                spec["datastore"] = self._store
+            self._copiers[method] = LocalDraft(spec)
+        return self._copiers[method]
 
     def _next_window(self, seq: _Sequence, verdict: Verdict, committed: list[int]) -> dict:
         """Send a step's verdict; set the next window; return how it was made (the reply's info).
@@ -524,10 +528,6 @@ class MirrorEngine:
         if reply is not None and "model_rate" in reply.info:
             self._model_rate, self._explore_in = reply.info["model_rate"], reply.info["explore_in"]
         return reply
-
-    def _store_path(self) -> str | None:
-        """The datastore sd and mirror read (the draft's own under datastore=auto), else an explicit one."""
-        return (self.spec or {}).get("datastore") or datastore_path(self.config.datastore, None)
 
     def _cost_fields(self) -> tuple[list[float] | None, float | None]:
         """(costs, step_ms) for the draft side: the target's relative verification cost by window length and its
