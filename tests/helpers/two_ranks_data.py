@@ -28,11 +28,13 @@ def main(target_dir: str, prompts: str, data_dir: str) -> None:
     prepare_data(data, Target.load(target_dir), [2], rank, world, dist.barrier)
     dist.barrier()  # the caller's: the main rank has made the rest
     rows = Path(data_dir) / "selfdistill" / "work" / f"rows.rank{rank}.jsonl"
-    print(f"rank {rank}: {len(rows.read_text().splitlines())} rows", flush=True)
+    # one write per line (print writes its text and its newline apart where stdout is unbuffered, and two ranks'
+    # lines then interleave: "rank 0: 5 rowsrank 1: 5 rows")
+    print(f"rank {rank}: {len(rows.read_text().splitlines())} rows\n", end="", flush=True)
     if rank == 0:
         ds = load_selfdistill(Path(data_dir) / "selfdistill")
         ranks = json.loads((Path(data_dir) / "selfdistill" / "provenance.json").read_text())["ranks"]
-        print(f"dataset: {len(ds)} rows, {len(set(ds['id']))} prompts, from {ranks} ranks", flush=True)
+        print(f"dataset: {len(ds)} rows, {len(set(ds['id']))} prompts, from {ranks} ranks\n", end="", flush=True)
     dist.destroy_process_group()
 
 
