@@ -10,6 +10,11 @@ the default and the fast forward path (mirror_train/fastpath.py), one thread, as
   and on torch's default path (its linears, the row-invariant attention's one SDPA call a row); onednn_step_ms the
   same on oneDNN's prepacked linears, for comparison (where torch has oneDNN); each path on its own copy of the
   target, every (path, width) timed in turn round after round;
+- compute: the multiply-adds a window row costs (every linear's weights, the LM head's included: each row of a
+  window is its own one-token step, summed in the same order for the same bits), what each row past the first
+  cost measured (the 8-token step's excess over the one-token step, per row, and that as GFLOP/s), and the
+  GFLOP/s a row would need for an 8-token window at 1.4x the one-token step (#15's bar): past the core's float32
+  peak (FMA units x lanes x 2 x clock), the bar is out of reach of any row-exact kernel on it;
 - draft_ms (with --draft): the draft's tree forward of one node with its streams, on the same thread, and its
   ratio to the target's one-token step.
 Prints a Markdown table, or one JSON object with --json.
@@ -34,6 +39,11 @@ def read_bandwidth_gbs(gigabytes: float = 1.0) -> float:
     x = torch.ones(int(gigabytes * 2**30 / 4))
     ms = median_ms(lambda: x.sum(), repeats=5, warmup=1)
     return x.numel() * 4 / ms / 1e6
+
+
+def row_macs(model: torch.nn.Module) -> int:
+    """Multiply-adds a window row costs in the linears (the LM head's included), attention left out (small)."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def step_fns(target: Target, context: int) -> dict:
@@ -115,6 +125,14 @@ def main() -> None:
         "step_ms": {w: round(t, 2) for w, t in fast.items()},
         "default_step_ms": {w: round(t, 2) for w, t in default.items()},
     }
+    macs = row_macs(targets["fast"].model)
+    row_ms = (fast[8] - fast[1]) / 7
+    result["compute"] = {
+        "row_mmacs": round(macs / 1e6, 1),
+        "row_ms": round(row_ms, 2),
+        "row_gflops": round(2 * macs / row_ms / 1e6, 1) if row_ms > 0 else None,
+        "gflops_for_1.4x": round(7 * 2 * macs / (0.4 * fast[1]) / 1e6, 1),
+    }
     if onednn is not None:
         result["onednn_step_ms"] = {w: round(t, 2) for w, t in onednn.items()}
     if args.draft:
@@ -133,6 +151,11 @@ def main() -> None:
         dnn = f"{onednn[w]:.1f}" if onednn else "–"
         floor = fast[w] / result["floor_ms"]
         print(f"| {w} | {default[w]:.1f} | {dnn} | {fast[w]:.1f} | {floor:.2f} | {fast[w] / fast[1]:.2f} |")
+    c = result["compute"]
+    print(
+        f"compute: a row {c['row_mmacs']}M multiply-adds, measured {c['row_ms']} ms a row past the first "
+        f"({c['row_gflops']} GFLOP/s); an 8-token window at 1.4x one token needs {c['gflops_for_1.4x']} GFLOP/s"
+    )
     if args.draft:
         draft = f"{result['draft_ms']} ms in {result['draft_dtype']}"
         print(f"draft forward (1 node, streams): {draft} = {result['draft_over_step']} of a step")

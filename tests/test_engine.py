@@ -915,3 +915,30 @@ def test_pld_store_keeps_the_drafts_datastore_after_the_draft_fails(target, draf
             engine._fault(RuntimeError("injected"))  # as a worker that died: the spec goes
         assert engine.spec is None
         assert engine.generate(prompts[1], MAX_NEW, method="pld_store", stop=[]).tokens == references[1]
+
+
+def test_the_oracle_walk_of_scripts_bench_draft_value(target, draft, prompts, references):
+    """bench_draft_value's walk drives the draft server as the engine does (Start, then a Verdict with the committed
+    tokens and their states every step) and commits the whole answer under every policy, in fewer steps where a
+    source matched; `choose` keeps what each policy may."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_draft_value.py"
+    spec = importlib.util.spec_from_file_location("bench_draft_value", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert [bench.choose(p, 1, 3, 4) for p in bench.POLICIES] == [3, 1, 3, 4]
+    total = dict.fromkeys(bench.POLICIES, 0)
+    with MirrorEngine(target, None, draft, EngineConfig(placement="local")) as engine:
+        for prompt, answer in zip(prompts, references):
+            states = bench.target_states(target, prompt + answer, engine.exit_layer)
+            for policy in bench.POLICIES:
+                server = bench.recording_server(engine.spec)
+                tokens, steps = bench.walk(engine, server, prompt, answer, states, policy)
+                assert tokens == len(answer) and 1 <= steps <= len(answer), policy
+                assert len(server.seen["model"]) == engine.config.gamma  # the model's whole window, every step
+                total[policy] += steps
+    # this draft (the target's own first layers) and the copies of these looping answers both match: the best of
+    # them takes fewer steps than either alone
+    assert total["model + copies"] < min(total["copies"], total["model"]) < 3 * MAX_NEW
