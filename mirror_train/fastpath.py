@@ -46,7 +46,15 @@ from mirror_train.errors import MirrorTrainError
 from mirror_train.timing import median_ms
 
 KINDS = ("auto", "exact", "onednn", "fastest", "none")
-ROUTE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the row counts `fastest` measures; a call takes the route of the next one up
+# the row counts `fastest` measures; a call takes the route of the next one up. 3 and 6: a draft's node with its two
+# streams, and two such nodes (the one-node forward's linears ran 10–25% faster at 3 rows on the route measured there)
+ROUTE_ROWS = (1, 2, 3, 4, 6, 8, 16, 32, 64)
+# `fastest` times each path on weights that come from memory, as in serving (between two calls of a draft's linear
+# the rest of the draft and the target's step stream through the caches): it cycles through copies of the weight
+# totalling this many bytes (at most ROUTE_COPIES copies). Timed on one hot weight instead, oneDNN's bf16 linear won
+# shapes that it loses cold by 1.1–1.8× on a Zen 4 (docs/engine.md, nineteenth session).
+ROUTE_COLD_BYTES = 128 * 2**20
+ROUTE_COPIES = 256
 
 
 def resolve(kind: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
@@ -151,13 +159,33 @@ def _crossover(linear: PackedLinear, rows=(1, 2, 4, 8, 16)) -> float:
     return float("inf")
 
 
-def _routes(linear: RoutedLinear, paths: Sequence[str]) -> tuple[str, ...]:
-    """The fastest of `paths` on `linear` at each of ROUTE_ROWS rows (medians of a few calls each)."""
+def _routes(linear: RoutedLinear, paths: Sequence[str], cold: bool = True) -> tuple[str, ...]:
+    """The fastest of `paths` on `linear` at each of ROUTE_ROWS rows (medians of a few calls each), each call on the
+    next of its copies of the weight (`cold`: ROUTE_COLD_BYTES of them, so every call reads its weight from memory
+    as served; else the weight itself, hot in the caches)."""
+    weight, bias = linear.weight.detach(), linear.bias
+    count = 1
+    if cold:
+        count = max(1, min(ROUTE_COPIES, ROUTE_COLD_BYTES // max(1, weight.numel() * weight.element_size())))
+    copies = [weight.clone() for _ in range(count)] if count > 1 else [weight]
+    packed = []
+    if "onednn" in paths:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in copies] if count > 1 else [linear._packed]
+    turn = [0]  # one counter for every timed call: a copy is read again only after all the others
+
+    def call(x: torch.Tensor, path: str) -> torch.Tensor:
+        i = turn[0] = (turn[0] + 1) % count
+        if path == "exact":
+            return kernels.linear(x, copies[i], bias)
+        if path == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, packed[i], bias, "none", [], "")
+        return nn.functional.linear(x, copies[i], bias)
+
     best = []
     with torch.inference_mode():
         for n in ROUTE_ROWS:
-            x = torch.randn(1, n, linear.in_features, dtype=linear.weight.dtype)
-            times = {path: median_ms(lambda x=x, path=path: linear.run(x, path), repeats=7, warmup=2) for path in paths}
+            x = torch.randn(1, n, linear.in_features, dtype=weight.dtype)
+            times = {path: median_ms(lambda x=x, path=path: call(x, path), repeats=7, warmup=2) for path in paths}
             best.append(min(times, key=times.get))
     return tuple(best)
 

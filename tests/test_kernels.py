@@ -272,3 +272,27 @@ def test_gradients_reach_the_input_through_a_frozen_fast_linear(kind):
     x = torch.randn(3, model.config.hidden_size, requires_grad=True)
     model.lm_head(x).sum().backward()
     torch.testing.assert_close(x.grad, model.lm_head.weight.sum(0).expand(3, -1))
+
+
+def test_routes_are_timed_on_copies_of_the_weight_that_come_from_memory(monkeypatch):
+    """`fastest` times each path on the next of enough copies of a weight that none is still cached when read again
+    (as served, where the rest of the model streams through the caches between two calls): each timed call reads
+    another copy, the served weight is untouched, and the copies stop at ROUTE_COPIES."""
+    linear = nn.Linear(64, 96).to(torch.float32)
+    linear.__class__ = fastpath.RoutedLinear
+    if torch.backends.mkldnn.is_available():
+        linear.repack()
+    paths = ["torch"] + ["onednn"] * torch.backends.mkldnn.is_available() + ["exact"] * kernels.available()
+    seen = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: seen.append(w.data_ptr()) or real(x, w, b))
+    before = linear.weight.clone()
+    monkeypatch.setattr(fastpath, "ROUTE_COPIES", 40)
+    routes = fastpath._routes(linear, paths)
+    assert len(routes) == len(fastpath.ROUTE_ROWS) and set(routes) <= set(paths)
+    assert all(a != b for a, b in zip(seen, seen[1:])) and linear.weight.data_ptr() not in seen
+    assert 1 < len(set(seen)) <= 40  # 64·96·4 bytes a copy: the cap, not ROUTE_COLD_BYTES, bounds them
+    torch.testing.assert_close(linear.weight, before, rtol=0, atol=0)
+    seen.clear()
+    fastpath._routes(linear, paths, cold=False)
+    assert set(seen) == {linear.weight.data_ptr()}
