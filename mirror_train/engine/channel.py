@@ -29,7 +29,7 @@ import mirror_train.models  # noqa: F401  (registers the draft's Auto classes fo
 from mirror_train import fastpath
 from mirror_train.datastore import Datastore
 from mirror_train.engine.drafts import ModelDraft, SyntheticDraft, SyntheticDraftConfig
-from mirror_train.engine.messages import Failed, Ready, Stop
+from mirror_train.engine.messages import Failed, Ready, Stop, expects_reply
 from mirror_train.engine.server import DraftServer
 from mirror_train.errors import MirrorTrainError
 
@@ -90,6 +90,10 @@ def serve(transport, spec: dict, core: int | None, threads: int) -> None:
         transport.send(Failed(f"{type(e).__name__}: {e}"))
         return
     transport.send(Ready(os.getpid()))
+    # A failure while the engine expects no answer (a no-reply verdict, Branches, the work after a reply) is told
+    # with the next message that expects one: sent unasked, it would wait for a receive that never comes (over gloo
+    # the engine's next send then blocked for two minutes), and the messages in between are dropped.
+    failed = None
     while True:
         try:
             msg = transport.recv(None)
@@ -97,15 +101,23 @@ def serve(transport, spec: dict, core: int | None, threads: int) -> None:
             return  # the engine is gone
         if isinstance(msg, Stop):
             return
-        try:
-            reply, after = server.handle(msg)
-        except Exception:  # noqa: BLE001
-            transport.send(Failed(traceback.format_exc(limit=4)))
-            return
+        if failed is None:
+            try:
+                reply, after = server.handle(msg)
+            except Exception:  # noqa: BLE001  (reported to the engine, which warns and goes on target-only)
+                failed, reply, after = traceback.format_exc(limit=4), None, None
+        if failed is not None:
+            if expects_reply(msg):
+                transport.send(Failed(failed))
+                return
+            continue
         if reply is not None:
             transport.send(reply)
         if after is not None:
-            after()
+            try:
+                after()
+            except Exception:  # noqa: BLE001
+                failed = traceback.format_exc(limit=4)
 
 
 # --- transports -------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from mirror_train.engine.acceptance import accept_forked, target_tokens, truncat
 from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDraft
 from mirror_train.engine.config import COPY_METHODS, METHODS, EngineConfig, Generation, StepStats
 from mirror_train.engine.latency import predicted_step_ms
-from mirror_train.engine.messages import Branches, Candidates, Load, Ping, Start, Verdict
+from mirror_train.engine.messages import Branches, Candidates, Load, Ping, Start, Verdict, expects_reply
 from mirror_train.engine.setup import bind_head, check_datastore, datastore_path, draft_spec
 from mirror_train.engine.window import ask_model, fit_costs
 from mirror_train.errors import MirrorTrainError
@@ -291,8 +291,10 @@ class MirrorEngine:
         target's final states. Then the first window, drafted after the first token."""
         cfg, target, head = self.config, self.target, self.head
         slots = self.draft_slots if seq.method in ("sd", "mirror") else []
+        # with the engine's own copies the draft's process answers nothing: the target never waits for its prefill
+        reply = seq.copier is None
         if seq.channel is not None and not slots:
-            self._send(seq, self._start_message(seq, None))
+            self._send(seq, self._start_message(seq, None, reply))
         if seq.copier is not None:
             seq.copier.send(self._start_message(seq, None))
             seq.copier.recv()
@@ -300,26 +302,28 @@ class MirrorEngine:
         early = slots == ["exit"]  # everything the draft reads is known half way through the prefill
         on_exit = None
         if early:
-            on_exit = lambda states: self._send(seq, self._start_message(seq, {"exit": states[0, :-1]}))  # noqa: E731
+            on_exit = lambda states: self._send(seq, self._start_message(seq, {"exit": states[0, :-1]}, reply))  # noqa: E731
         prompt = torch.tensor([seq.ids], device=target.device)
         hidden, last, final = target.prefill(prompt, seq.cache, self.exit_layer, on_exit)
         if seq.head_cache is not None:
             head.adapt(hidden, seq.head_cache)  # the attention head's own cache over the prompt
         states = {"exit": hidden[0], "final": final[0]}
         if slots and not early:
-            self._send(seq, self._start_message(seq, {slot: states[slot][:-1] for slot in slots}))
+            self._send(seq, self._start_message(seq, {slot: states[slot][:-1] for slot in slots}, reply))
         t0 = self._now()
         first = target_tokens(last, cfg.temperature, cfg.seed, 0)[0]
         seq.new, seq.done = truncate([first], seq.stops, seq.max_new_tokens)
         stats = StepStats(committed=len(seq.new), accepted=0, window=0)
-        if seq.channel is not None:
+        if seq.channel is not None and reply:
             self._note(self._receive(seq))  # its window after the prompt: the prefill has decided that token
         if (seq.channel is not None or seq.copier is not None) and not seq.done:
             first_states = self._wire({slot: states[slot][-1:] for slot in slots})
             costs, step_ms = self._cost_fields()
             verdict = Verdict(0, first, first_states, None, costs, step_ms, committed=[first])
             verdict.sent_s = time.monotonic()
-            self._next_window(seq, verdict, [first])
+            # not the draft's process, with the engine's own copies: it may still be prefilling a long prompt
+            # (16–290 ms on Spec-Bench's, Zen 4), and a plain step or a copy costs the target nothing to wait for
+            self._next_window(seq, verdict, [first], may_ask=False)
         stats.step_ms = stats.wait_ms = stats.predicted_ms = (self._now() - t0) * 1e3
         seq.pending, seq.cached = first, len(seq.ids)
         return stats
@@ -430,7 +434,7 @@ class MirrorEngine:
                 return {slot: x.detach().float().clone() for slot, x in states.items()}
         return _wire_numpy(states)
 
-    def _start_message(self, seq: _Sequence, states) -> Start:
+    def _start_message(self, seq: _Sequence, states, reply: bool = True) -> Start:
         look_ahead = seq.method == "mirror" and self.config.look_ahead
         costs, step_ms = self._cost_fields()
         contention = (self.contention or 0.0) if seq.method == "mirror" else 0.0
@@ -444,6 +448,7 @@ class MirrorEngine:
             step_ms,
             self.forks,
             contention,
+            reply=reply,
         )
 
     def _send(self, seq: _Sequence, msg) -> bool:
@@ -453,7 +458,7 @@ class MirrorEngine:
         try:
             seq.channel.send(msg)
             if seq.channel is self.draft:
-                self._awaiting = not isinstance(msg, Branches) and getattr(msg, "reply", True)
+                self._awaiting = expects_reply(msg)
             return True
         except DraftUnavailable as e:
             self._drop(seq, e)
@@ -490,14 +495,15 @@ class MirrorEngine:
             self._copiers[method] = LocalDraft(spec)
         return self._copiers[method]
 
-    def _next_window(self, seq: _Sequence, verdict: Verdict, committed: list[int]) -> dict:
+    def _next_window(self, seq: _Sequence, verdict: Verdict, committed: list[int], may_ask: bool = True) -> dict:
         """Send a step's verdict; set the next window; return how it was made (the reply's info).
 
         With copies on the target's side (`seq.copier`), the engine's own copy server answers first, and the draft's
         process is asked for a window (else only told what was committed, `reply=False`) where its model promised
         more than that copy in its last reply, or where it is due to explore its model again; of the two windows,
         the one that promises more. A server whose window was not the one verified is sent the committed tokens
-        instead (it learns nothing from an offer the target never saw)."""
+        instead (it learns nothing from an offer the target never saw). `may_ask`: False where the draft's process
+        must not be waited for (the prefill's step)."""
         if seq.copier is None:
             reply = self._receive(seq) if self._send(seq, verdict) else None
             seq.window, seq.alt, seq.fork = _window(reply)
@@ -507,7 +513,8 @@ class MirrorEngine:
         seq.copier.send(replace(verdict, states=None, committed=None if seq.served == "copier" else committed))
         copy = seq.copier.recv()
         copy_rate = copy.info.get("rate", 1.0)
-        ask = seq.channel is not None and ask_model(self._model_rate, copy_rate, self._skips, self._explore_in)
+        gate = ask_model(self._model_rate, copy_rate, self._skips, self._explore_in)
+        ask = may_ask and seq.channel is not None and gate
         reply = None
         if seq.channel is not None:
             told = replace(verdict, committed=None if seq.served == "draft" else committed, reply=ask)

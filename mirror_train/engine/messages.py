@@ -4,7 +4,8 @@ Only token ids, log-probs, a few numbers and, for drafts that read the target's 
 (float32 numpy: (γ+1)·H floats a step, 11.5 KB at γ = 4 on the testbed; the prompt's once). `states` maps a slot
 name ("exit": the target's layer-ℓe states, "final": its final states) to rows, one per position, in order.
 
-    Start       → Window      a new sequence: prefill, then roll out the first window
+    Start       → Window      a new sequence: prefill, then roll out the first window (no reply with
+                             `reply=False`: the engine serves the first window itself)
     Branches    (no reply)   Mirror-SD, after the target's prefix over the window: rank and roll out branches while
                              the target finishes (the proxy head's candidates, or the ℓe states for a head here)
     Verdict     → Window     the target's verdict: commit; the next window (a rolled-out branch or a fallback);
@@ -48,6 +49,9 @@ class Start:
     forks: bool = False  # the target verifies forked windows (two chains at once: forked_window.py)
     # how much the draft's work slows the target's step while they overlap (measured, `Load`): 0.18 = 18% slower
     contention: float = 0.0
+    # False: prefill, answer nothing (the engine's own copies serve the first window: EngineConfig.copies="target");
+    # the target does not wait for the draft's prefill of a long prompt
+    reply: bool = True
 
 
 @dataclass
@@ -118,3 +122,9 @@ class Ready:
 @dataclass
 class Failed:
     error: str
+
+
+def expects_reply(msg) -> bool:
+    """Whether the draft answers `msg`: Branches never, a Start or a Verdict unless sent with `reply=False`, the
+    rest always. The worker reports a failure with the next message that expects a reply (channel.py)."""
+    return not isinstance(msg, Branches) and getattr(msg, "reply", True)

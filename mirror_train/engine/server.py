@@ -187,6 +187,9 @@ class DraftServer:
         self.window_keys = []
         if self.backend is not None and self.adaptive_budget and len({n for n, _ in self.samples}) < 2:
             self._calibrate()
+        if not msg.reply:  # the engine serves the first window itself: no rollout, the next verdict is foreign
+            self.window, self.window_pairs = [], None
+            return None, None
         return self._fallback({"reused": False, "branches": 0, "branch_ms": 0.0})
 
     def _branches(self, msg: Branches):
