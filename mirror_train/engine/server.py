@@ -296,17 +296,14 @@ class DraftServer:
                 info["candidates"] = self.cands[accepted]
             self.window_p = self.cands = None
         hit = None if alt_won or foreign or not msg.reply else self.rolled.get((accepted, correction))
+        keep = self._end_branches(accepted)
         if not msg.reply:  # the engine serves the next window itself: book-keep, and catch up while it verifies
             self.skipped += 1  # a step the model was not worth asking for counts as a skipped rollout
-            if self.rolled_spine:
-                self._keep(self.rolled_spine + (0 if self.refeed else accepted))
-                self.rolled, self.rolled_spine, self.num_branches = {}, 0, 0
+            if keep is not None:
+                self._keep(keep)
             self.window, self.window_pairs, self.window_keys = [], None, []
             return None, self._catch_up
-        if self.rolled_spine:
-            # the pending tokens, and the accepted window unless it must be fed again as committed tokens
-            keep = self.rolled_spine + (0 if self.refeed else accepted)
-            self.rolled, self.rolled_spine, self.num_branches = {}, 0, 0
+        if keep is not None:
             upto = 0
             if hit is not None and len(hit.tokens) < self.gamma:
                 upto = self._serial_plan(len(hit.tokens))
@@ -322,6 +319,15 @@ class DraftServer:
         return reply, self._then_look_ahead(len(self.tokens) - self.cached - 1, msg.prefix_ms)
 
     # --- helpers ---------------------------------------------------------------------------------------------
+    def _end_branches(self, accepted: int) -> int | None:
+        """Forget this step's branch rollout; the nodes of it to commit (None: none was rolled out): the pending
+        tokens at its spine's head, and the accepted window unless it must be fed again as committed tokens."""
+        if not self.rolled_spine:
+            return None
+        keep = self.rolled_spine + (0 if self.refeed else accepted)
+        self.rolled, self.rolled_spine, self.num_branches = {}, 0, 0
+        return keep
+
     def _keep(self, n: int) -> None:
         """Commit the first n nodes the last rollout fed (fewer when it fed fewer: a skipped rollout fed none)."""
         if self.backend is not None:
