@@ -47,12 +47,12 @@ from mirror_train.timing import median_ms
 
 KINDS = ("auto", "exact", "onednn", "fastest", "none")
 # the row counts `fastest` measures; a call takes the route of the next one up. 3 and 6: a draft's node with its two
-# streams, and two such nodes (the one-node forward's linears ran 10–25% faster at 3 rows on the route measured there)
+# streams, and two such nodes (at 3 rows the draft's large linears ran 8–23% faster on the route measured there, Zen 4)
 ROUTE_ROWS = (1, 2, 3, 4, 6, 8, 16, 32, 64)
 # `fastest` times each path on weights that come from memory, as in serving (between two calls of a draft's linear
 # the rest of the draft and the target's step stream through the caches): it cycles through copies of the weight
 # totalling this many bytes (at most ROUTE_COPIES copies). Timed on one hot weight instead, oneDNN's bf16 linear won
-# shapes that it loses cold by 1.1–1.8× on a Zen 4 (docs/engine.md, nineteenth session).
+# shapes that it loses cold by 1.1–1.9× on a Zen 4 (docs/engine.md, nineteenth session).
 ROUTE_COLD_BYTES = 128 * 2**20
 ROUTE_COPIES = 256
 
@@ -175,11 +175,7 @@ def _routes(linear: RoutedLinear, paths: Sequence[str], cold: bool = True) -> tu
 
     def call(x: torch.Tensor, path: str) -> torch.Tensor:
         i = turn[0] = (turn[0] + 1) % count
-        if path == "exact":
-            return kernels.linear(x, copies[i], bias)
-        if path == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, packed[i], bias, "none", [], "")
-        return nn.functional.linear(x, copies[i], bias)
+        return run_path(path, x, copies[i], packed[i] if packed else None, bias)
 
     best = []
     with torch.inference_mode():
@@ -242,6 +238,16 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def run_path(path: str, x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """One linear call on a `fastest` route: the row-exact kernel on `weight`, oneDNN on its prepacked copy
+    `packed`, or torch's own."""
+    if path == "exact":
+        return kernels.linear(x, weight, bias)
+    if path == "onednn":
+        return onednn_linear(x, packed, bias)
+    return nn.functional.linear(x, weight, bias)
+
+
 def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A many-row CPU linear (a prompt's prefill) on the GEMM measured faster for its shape on this machine."""
     if x.dtype == weight.dtype and prefill_path(tuple(weight.shape), bias is not None, weight.dtype) == "onednn":
@@ -278,7 +284,7 @@ class PackedLinear(nn.Linear):
         self._packed_dtype = self.weight.dtype
 
     def packed(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return onednn_linear(x, self._packed, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.__dict__.get("_packed")
@@ -299,11 +305,7 @@ class RoutedLinear(PackedLinear):
     routes: tuple[str, ...] = ()
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
-        if path == "exact":
-            return kernels.linear(x, self.weight, self.bias)
-        if path == "onednn":
-            return self.packed(x)
-        return nn.functional.linear(x, self.weight, self.bias)
+        return run_path(path, x, self.weight, self.__dict__.get("_packed"), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features

@@ -513,8 +513,11 @@ class MirrorEngine:
         seq.copier.send(replace(verdict, states=None, committed=None if seq.served == "copier" else committed))
         copy = seq.copier.recv()
         copy_rate = copy.info.get("rate", 1.0)
-        gate = ask_model(self._model_rate, copy_rate, self._skips, self._explore_in)
-        ask = may_ask and seq.channel is not None and gate
+        ask = (
+            may_ask
+            and seq.channel is not None
+            and ask_model(self._model_rate, copy_rate, self._skips, self._explore_in)
+        )
         reply = None
         if seq.channel is not None:
             told = replace(verdict, committed=None if seq.served == "draft" else committed, reply=ask)
