@@ -103,8 +103,11 @@ def install(model: nn.Module, kind: str = "auto") -> str:
         fused_layer.install(model, False)
         return kind
     align_parameters(model)  # a draft loaded from its artifact: weights that straddle cache lines (alignment.py)
+    if kind == "fastest" and _widen_activations(model):
+        param = next(model.parameters())
     attention.use_kernel(model, kind == "exact")
-    fused_layer.install(model, kind == "exact")  # whole decoder layers as one C call each, where they apply
+    # whole decoder layers as one C call each, where they apply (a draft's: float32 activations, _widen_activations)
+    fused_layer.install(model, kind in ("exact", "fastest"))
     attention.use_draft_attention(model, kind == "fastest")
     linears = [m for m in model.modules() if type(m) in (nn.Linear, PackedLinear, ExactLinear, RoutedLinear)]
     if not linears:
@@ -130,7 +133,7 @@ def install(model: nn.Module, kind: str = "auto") -> str:
             contiguous = module.weight.is_contiguous()  # the kernel reads (N, K) rows in place
             shape = (tuple(module.weight.shape), module.bias is not None, module.weight.dtype, contiguous)
             if shape not in routes:
-                routes[shape] = _routes(module, [p for p in paths if p != "exact" or contiguous])
+                routes[shape] = _routes(module, [p for p in paths if p != "exact" or contiguous], param.dtype)
             module.routes = routes[shape]
         return kind
     crossovers: dict[tuple, float] = {}
@@ -142,6 +145,37 @@ def install(model: nn.Module, kind: str = "auto") -> str:
             crossovers[shape] = _crossover(module)
         module.min_rows = crossovers[shape]
     return kind
+
+
+def _widen_activations(model: nn.Module) -> bool:
+    """Serve a half-precision draft with float32 activations on its half-precision linear weights, on a CPU with
+    the kernels, where its decoder layers are ones the C layer computes: everything but the linears' weights (and
+    biases) is widened to float32, exactly, so the KV cache and every sum are float32 and each decoder layer runs
+    as one C call reading the half-precision weights (fused_layer.py), where torch's ~40 ops a layer and its
+    linears' calls cost ~2/3 of the draft's forward (docs/engine.md, twentieth session). The draft's rounding
+    changes only what it proposes. Returns whether it widened."""
+    param = next(model.parameters())
+    layers = fused_layer.decoder_layers(model)
+    if (
+        param.dtype != torch.bfloat16  # the kernels read float32 or bfloat16 weights
+        or param.device.type != "cpu"
+        or not kernels.available()
+        or not layers
+        or not all(fused_layer.supported(layer, model.config) for layer in layers)
+    ):
+        return False
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    kept = {id(m) for m in linears} | {id(m.weight) for m in linears}  # a tied embedding stays with its head
+    for module in model.modules():
+        if id(module) in kept:
+            continue
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point() and id(p) not in kept:
+                p.data = p.data.float()
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.is_floating_point():
+                setattr(module, name, b.float())
+    return True
 
 
 def _crossover(linear: PackedLinear, rows=(1, 2, 4, 8, 16)) -> float:
@@ -159,10 +193,13 @@ def _crossover(linear: PackedLinear, rows=(1, 2, 4, 8, 16)) -> float:
     return float("inf")
 
 
-def _routes(linear: RoutedLinear, paths: Sequence[str], cold: bool = True) -> tuple[str, ...]:
-    """The fastest of `paths` on `linear` at each of ROUTE_ROWS rows (medians of a few calls each), each call on the
-    next of its copies of the weight (`cold`: ROUTE_COLD_BYTES of them, so every call reads its weight from memory
-    as served; else the weight itself, hot in the caches)."""
+def _routes(
+    linear: RoutedLinear, paths: Sequence[str], activations: torch.dtype | None = None, cold: bool = True
+) -> tuple[str, ...]:
+    """The fastest of `paths` on `linear` at each of ROUTE_ROWS rows (medians of a few calls each) on inputs of
+    the `activations` dtype (default: the weight's), each call on the next of its copies of the weight (`cold`:
+    ROUTE_COLD_BYTES of them, so every call reads its weight from memory as served; else the weight itself, hot in
+    the caches)."""
     weight, bias = linear.weight.detach(), linear.bias
     count = 1
     if cold:
@@ -180,7 +217,7 @@ def _routes(linear: RoutedLinear, paths: Sequence[str], cold: bool = True) -> tu
     best = []
     with torch.inference_mode():
         for n in ROUTE_ROWS:
-            x = torch.randn(1, n, linear.in_features, dtype=weight.dtype)
+            x = torch.randn(1, n, linear.in_features, dtype=activations or weight.dtype)
             times = {path: median_ms(lambda x=x, path=path: call(x, path), repeats=7, warmup=2) for path in paths}
             best.append(min(times, key=times.get))
     return tuple(best)
@@ -243,6 +280,8 @@ def run_path(path: str, x: torch.Tensor, weight: torch.Tensor, packed, bias: tor
     `packed`, or torch's own."""
     if path == "exact":
         return kernels.linear(x, weight, bias)
+    if x.dtype != weight.dtype:  # float32 activations on half-precision weights (_widen_activations)
+        return run_path(path, x.to(weight.dtype), weight, packed, bias).to(x.dtype)
     if path == "onednn":
         return onednn_linear(x, packed, bias)
     return nn.functional.linear(x, weight, bias)
@@ -309,10 +348,11 @@ class RoutedLinear(PackedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if not self.routes or x.device.type != "cpu" or x.dtype != self.weight.dtype or _needs_grad(x, self.weight):
-            return nn.functional.linear(x, self.weight, self.bias)
+        w = self.weight
+        if not self.routes or x.device.type != "cpu" or _needs_grad(x, w):
+            return nn.functional.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
         if rows > ROUTE_ROWS[-1]:
-            return prefill_linear(x, self.weight, self.bias)
+            return prefill_linear(x.to(w.dtype), w, self.bias).to(x.dtype)
         return self.run(x, self.routes[bisect.bisect_left(ROUTE_ROWS, rows)])
 
     def __deepcopy__(self, memo):

@@ -55,7 +55,7 @@ def supported(layer: nn.Module, config) -> bool:
         return False
     if norms[0].variance_epsilon != norms[1].variance_epsilon:  # the C layer takes one
         return False
-    if any(type(m).__name__ not in ("Linear", "ExactLinear") for m in _linears(layer)):
+    if any(type(m).__name__ not in ("Linear", "ExactLinear", "RoutedLinear") for m in _linears(layer)):
         return False
     head_dim = getattr(attn, "head_dim", 0)
     return (
@@ -75,14 +75,19 @@ def _linears(layer: nn.Module) -> tuple[nn.Linear, ...]:
     return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
 
-def install(model: nn.Module, on: bool = True) -> int:
-    """Make every supported decoder layer of `model` fused (on) or plain again; returns the number switched on."""
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a transformers model (its decoder's `layers`, or its own: the draft keeps them)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if layers is None:
-        return 0
+        layers = getattr(model, "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+
+def install(model: nn.Module, on: bool = True) -> int:
+    """Make every supported decoder layer of `model` fused (on) or plain again; returns the number switched on."""
     n = 0
-    for layer in layers:
+    for layer in decoder_layers(model):
         base = getattr(type(layer), "_plain_class", type(layer))
         if on and kernels.available() and supported(layer, model.config):
             layer.__class__ = _fused_class(base)
@@ -111,34 +116,15 @@ class FusedLayer(nn.Module):
 
     def _fused_call(self, x: torch.Tensor, kwargs: dict):
         """The fused computation as a thunk, or None where the layer's own forward must run (module docstring)."""
+        if any(v is not None for k, v in kwargs.items() if k not in _KNOWN):
+            return None
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         rope = kwargs.get("position_embeddings")
-        if (
-            cache is None
-            or rope is None
-            or self.training  # the module's dropout
-            or x.dtype != torch.float32
-            or rope[0].dtype != torch.float32
-            or x.device.type != "cpu"
-            or x.dim() != 3
-            or x.shape[0] != 1
-            or not 1 <= x.shape[1] <= kernels.MAX_ROWS
-            or x.requires_grad
-            or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))  # no backward in C
-            or any(v is not None for k, v in kwargs.items() if k not in _KNOWN)
-        ):
+        ready = self._ready(x, cache, rope)
+        if ready is None:
             return None
-        weights = self._weights()
-        if weights is None:
-            return None
-        layer = cache.layers[weights.layer_idx]
-        if type(layer).__name__ == "DynamicLayer":  # a cache transformers made (generate): grow it in place
-            layer.__class__ = GrowingLayer
-        if type(layer) is not GrowingLayer or not layer.is_initialized:
-            return None
-        past, rows = layer.get_seq_length(), x.shape[1]
-        if past < 1:
-            return None
+        weights, layer, past = ready
+        rows = x.shape[1]
         mask = kwargs.get("attention_mask")
         runs = attention._runs(mask)
         if runs is None and not attention._plain_causal_window(mask, rows, past + rows):
@@ -152,6 +138,73 @@ class FusedLayer(nn.Module):
 
         return run
 
+    def _ready(self, x: torch.Tensor, cache, rope):
+        """(weights, cache layer, cached length) where the C layer can run over x's rows, else None."""
+        if (
+            cache is None
+            or rope is None
+            or self.training  # the module's dropout
+            or x.dtype != torch.float32
+            or rope[0].dtype != torch.float32
+            or x.device.type != "cpu"
+            or x.dim() != 3
+            or x.shape[0] != 1
+            or not 1 <= x.shape[1] <= kernels.MAX_ROWS
+            or x.requires_grad
+            or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))  # no backward in C
+        ):
+            return None
+        weights = self._weights()
+        if weights is None:
+            return None
+        layer = cache.layers[weights.layer_idx]
+        if type(layer).__name__ == "DynamicLayer":  # a cache transformers made (generate): grow it in place
+            layer.__class__ = GrowingLayer
+        if type(layer) is not GrowingLayer or not layer.is_initialized:
+            return None
+        past = layer.get_seq_length()
+        return None if past < 1 else (weights, layer, past)
+
+    def _fused_stream_call(self, hidden, streams, rope, mask, cache, anchors):
+        """A multi-stream layer's forward (models/multi_stream_attention.py) as two C calls, or None where its own
+        must run: the main rows as any decoder layer's, then the stream rows of the K anchors, whose keys are
+        written for that call into the cache's spare room after the main rows (the cache then counts the main
+        rows only). Stream (t, j) sees its anchor's keys and streams (t, 1..j): two runs of keys where the anchor's
+        own are one (a plain causal window, or a tree node whose ancestors fill the cache up to it); three are
+        beyond the kernel, and such a forward runs the module's way. Returns (hidden, streams) as the module."""
+        T = hidden.shape[1]
+        K, S = (0, 0) if streams is None else streams.shape[1:3]
+        ready = self._ready(hidden, cache, rope)
+        if ready is None or K * S > kernels.MAX_ROWS or (K and streams.dtype != torch.float32):
+            return None
+        weights, layer, past = ready
+        runs = attention._runs(mask)
+        if runs is None and not attention._plain_causal_window(mask, T, past + T):
+            return None
+        if K:
+            idx = torch.arange(T) if anchors is None else torch.as_tensor(anchors, dtype=torch.long).cpu()
+            if runs is not None and bool((runs[2, idx] != 0).any()):
+                return None
+            first = runs[0, idx] if runs is not None else past + idx + 1  # (K,) the anchors' keys 0..first-1
+            j = torch.arange(S)
+            stream_runs = torch.stack(
+                [
+                    first.repeat_interleave(S),
+                    (past + T + torch.arange(K) * S).repeat_interleave(S),  # where each anchor's streams sit
+                    (j + 1).repeat(K),
+                ]
+            )
+        keys, values = layer.reserve(T + K * S)
+        out = kernels.decoder_layer(hidden, weights, rope[0], rope[1], keys, values, past, runs)
+        out_streams = None
+        if K:
+            cos, sin = (r[:, idx].repeat_interleave(S, dim=1) for r in rope)  # each stream at its anchor's rotation
+            rows = streams.reshape(1, K * S, streams.shape[-1])
+            out_streams = kernels.decoder_layer(rows, weights, cos, sin, keys, values, past + T, stream_runs)
+            out_streams = out_streams.view(1, K, S, -1)
+        layer.extend(T)
+        return out, out_streams
+
     def __deepcopy__(self, memo):
         """A copy is a plain layer (as fastpath's copies of its linears are): what it computes is then the module's."""
         clone = self._plain_class.__new__(self._plain_class)
@@ -162,15 +215,17 @@ class FusedLayer(nn.Module):
         return clone
 
     def _weights(self) -> kernels.LayerWeights | None:
-        """The C call's view of this layer's parameters (None: not float32), rebuilt when they have moved (a cast, a
-        copy: the first projection's storage tells). Held in the instance's __dict__: a module attribute lookup costs
-        a microsecond, and a step makes ~30 of these calls."""
+        """The C call's view of this layer's parameters (None: norms not float32, or linears' weights not all float32
+        or all bfloat16: a draft served with float32 activations on bfloat16 weights, fastpath.py), rebuilt when they
+        have moved (a cast, a copy: the first projection's storage tells). Held in the instance's __dict__: a module
+        attribute lookup costs a microsecond, and a step makes ~30 of these calls."""
         cached = self.__dict__.get("_fused_weights")
         if cached is not None and cached[0].data_ptr() == cached[1]:
             return cached[2]
         attn, linears = self.self_attn, _linears(self)
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
-        if any(p.dtype != torch.float32 for p in (*norms, *(m.weight for m in linears))):
+        weight_dtypes = {m.weight.dtype for m in linears}
+        if any(p.dtype != torch.float32 for p in norms) or weight_dtypes not in ({torch.float32}, {torch.bfloat16}):
             return None
         for m in linears:  # the C layer reads (N, K) rows in place
             if not m.weight.is_contiguous():

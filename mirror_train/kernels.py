@@ -480,19 +480,25 @@ static inline vec vsilu(vec g) {  /* g / (1 + exp(-g)), exp over the whole float
 }
 #endif
 
+/* one of the layer's linears on its weights' type: float32, or bfloat16 widened on load (wbf16) */
+#define LAYER_LINEAR(x, ldx, i, y, ldy, N, K)                                                                       \
+    (wbf16 ? linear_BF16(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K)                                     \
+           : linear_F32(x, ldx, (const float *)w[i], b[i], y, ldy, M, N, K))
+
 void decoder_layer_f32(float *x, int64_t M, int64_t H, const float *ln1, const float *ln2, float eps,
-                       const float *const *w, const float *const *b, int64_t I, int64_t NH, int64_t KVH, int64_t D,
+                       const void *const *w, const float *const *b, int64_t I, int64_t NH, int64_t KVH, int64_t D,
                        const float *cos, const float *sin, float *kbuf, float *vbuf, int64_t kv_sh, int64_t kv_sl,
                        int64_t past, float scale, const int64_t *n1, const int64_t *s2, const int64_t *n2,
-                       float *scratch) {
-    /* w: q, k, v, o, gate, up, down (N x K row-major); b: their biases or NULL */
+                       float *scratch, int wbf16) {
+    /* w: q, k, v, o, gate, up, down (N x K row-major, all float32 or all bfloat16: wbf16); b: float32 biases or
+       NULL. The activations, the cache and every sum are float32 either way. */
     int64_t QD = NH * D, KD = KVH * D, L = past + M;
     float *n = scratch, *q = n + M * H, *k = q + M * QD, *v = k + M * KD, *att = v + M * KD, *g = att + M * QD;
     float *u = g + M * I, *o = u + M * I, *as = o + M * H;  /* as: the attention's RB_MAX x L scores */
     rms_norm(x, ln1, eps, n, M, H);
-    linear_F32(n, H, w[0], b[0], q, QD, M, QD, H);
-    linear_F32(n, H, w[1], b[1], k, KD, M, KD, H);
-    linear_F32(n, H, w[2], b[2], v, KD, M, KD, H);
+    LAYER_LINEAR(n, H, 0, q, QD, QD, H);
+    LAYER_LINEAR(n, H, 1, k, KD, KD, H);
+    LAYER_LINEAR(n, H, 2, v, KD, KD, H);
     rotary(q, M, NH, D, cos, sin);
     rotary(k, M, KVH, D, cos, sin);
     for (int64_t m = 0; m < M; m++)
@@ -502,11 +508,11 @@ void decoder_layer_f32(float *x, int64_t M, int64_t H, const float *ln1, const f
                 vbuf[h * kv_sh + (past + m) * kv_sl + d] = v[(m * KVH + h) * D + d];
             }
     attention_f32(q, D, QD, kbuf, vbuf, kv_sh, kv_sl, att, as, M, NH, KVH, L, D, scale, n1, s2, n2);
-    linear_F32(att, QD, w[3], b[3], o, H, M, H, QD);
+    LAYER_LINEAR(att, QD, 3, o, H, H, QD);
     for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + o[i];
     rms_norm(x, ln2, eps, n, M, H);
-    linear_F32(n, H, w[4], b[4], g, I, M, I, H);
-    linear_F32(n, H, w[5], b[5], u, I, M, I, H);
+    LAYER_LINEAR(n, H, 4, g, I, I, H);
+    LAYER_LINEAR(n, H, 5, u, I, I, H);
     for (int64_t m = 0; m < M; m++) {  /* row by row: a row's elements take the same path whatever M */
         float *gr = g + m * I, *ur = u + m * I;
         int64_t t = 0;
@@ -515,7 +521,7 @@ void decoder_layer_f32(float *x, int64_t M, int64_t H, const float *ln1, const f
 #endif
         for (; t < I; t++) gr[t] = gr[t] / (1.0f + expf(-gr[t])) * ur[t];
     }
-    linear_F32(g, I, w[6], b[6], o, H, M, H, I);
+    LAYER_LINEAR(g, I, 6, o, H, H, I);
     for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + o[i];
 }
 """
@@ -567,9 +573,9 @@ def _library() -> ctypes.CDLL | None:
         lib.attention_f32.argtypes += [ptr] * 3
         lib.attention_f32.restype = None
         # x, M, H, ln1, ln2, eps, weights[7], biases[7], I, NH, KVH, D, cos, sin, kbuf, vbuf, kv strides, past,
-        # scale, n1, s2, n2, scratch
+        # scale, n1, s2, n2, scratch, whether the weights are bfloat16
         lib.decoder_layer_f32.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, *[i64] * 4, ptr, ptr]
-        lib.decoder_layer_f32.argtypes += [ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr]
+        lib.decoder_layer_f32.argtypes += [ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr, ctypes.c_int]
         lib.decoder_layer_f32.restype = None
     except (OSError, AttributeError):  # not loadable here, or not the library this source builds
         return None
@@ -647,8 +653,9 @@ def attention(
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """What `decoder_layer` reads of one decoder layer: its tensors' addresses (float32, contiguous CPU), packed for
-    the C call once (fused_layer.py rebuilds it when a weight moves)."""
+    """What `decoder_layer` reads of one decoder layer: its tensors' addresses (contiguous CPU; the linears' weights
+    all float32 or all bfloat16, everything else float32), packed for the C call once (fused_layer.py rebuilds it
+    when a weight moves)."""
 
     ln1: torch.Tensor
     ln2: torch.Tensor
@@ -662,16 +669,23 @@ class LayerWeights:
     scale: float
     layer_idx: int  # its place in the model's cache
     keep: tuple  # the tensors the addresses point into
+    bf16: bool = False  # the linears' weights are bfloat16 (widened on load; the sums stay float32)
 
 
 def layer_weights(ln1, ln2, eps, linears, heads, kv_heads, head_dim, scale, layer_idx) -> LayerWeights:
-    """`linears`: the q, k, v, o, gate, up, down nn.Linear modules, in that order."""
+    """`linears`: the q, k, v, o, gate, up, down nn.Linear modules, in that order, their weights all float32 or all
+    bfloat16 (contiguous); ln1, ln2 float32."""
+    dtypes = {m.weight.dtype for m in linears}
+    if len(dtypes) != 1 or not dtypes <= set(WEIGHT_DTYPES):
+        raise ValueError(f"a fused layer's linears share one weight dtype of {WEIGHT_DTYPES}, got {dtypes}")
     arr = ctypes.c_void_p * 7
     weights = arr(*(m.weight.data_ptr() for m in linears))
-    biases = arr(*(m.bias.data_ptr() if m.bias is not None else None for m in linears))
-    keep = (ln1, ln2, *(m.weight for m in linears), *(m.bias for m in linears))
+    biases = [None if m.bias is None else m.bias.detach().float().contiguous() for m in linears]  # read as float32
+    keep = (ln1, ln2, *(m.weight for m in linears), *biases)
+    biases = arr(*(None if b is None else b.data_ptr() for b in biases))
     inter = linears[4].out_features
-    return LayerWeights(ln1, ln2, eps, weights, biases, inter, heads, kv_heads, head_dim, scale, layer_idx, keep)
+    bf16 = dtypes == {torch.bfloat16}
+    return LayerWeights(ln1, ln2, eps, weights, biases, inter, heads, kv_heads, head_dim, scale, layer_idx, keep, bf16)
 
 
 def decoder_layer(
@@ -721,5 +735,6 @@ def decoder_layer(
         lw.scale,
         *r,
         scratch.data_ptr(),
+        int(lw.bf16),
     )
     return out.view(1, m, hidden)

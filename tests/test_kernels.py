@@ -140,8 +140,8 @@ def test_a_draft_served_fastest_routes_each_call_by_its_rows_and_computes_the_sa
         assert fastpath.install(model, fastpath.for_draft("auto")) == "fastest"
         fast = [model(ids[:, :n]).logits for n in (1, 3, 9, 70)]
     tol = 1e-4 if dtype == torch.float32 else 5e-2
-    for a, b in zip(fast, plain):
-        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    for a, b in zip(fast, plain):  # a bf16 model is served with float32 activations (fastpath._widen_activations)
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
     available = {"torch", "onednn" * torch.backends.mkldnn.is_available(), "exact" * kernels.available()}
     routes = fastpath.routes(model)
     assert routes and all(len(r) == len(fastpath.ROUTE_ROWS) and set(r) <= available for r in routes.values())
@@ -296,3 +296,52 @@ def test_routes_are_timed_on_copies_of_the_weight_that_come_from_memory(monkeypa
     seen.clear()
     fastpath._routes(linear, paths, cold=False)
     assert set(seen) == {linear.weight.data_ptr()}
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the C kernels (a C compiler)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fastest_served_draft_runs_its_decoder_layers_as_c_calls(dtype, monkeypatch):
+    """A draft served `fastest` on a CPU runs each decoder layer, the multi-stream one included, as C layer calls
+    wherever a node's keys are at most two runs (a plain window, a serial rollout's chain, a branch off the spine),
+    and computes the plain draft's function there: float32 weights within float32 noise; bfloat16 weights with
+    float32 activations (fastpath._widen_activations), against the same weights widened, within float32 noise
+    too. Streams are computed at the read positions only, as the plain forward computes them at every one."""
+    from mirror_train.engine.rollout import keep_cache_path
+    from mirror_train.models.drafter import MirrorDrafterForCausalLM
+    from mirror_train.random_models import tiny_model
+
+    target = tiny_model("llama", layers=4)
+    draft = MirrorDrafterForCausalLM.from_target(target, 3, num_streams=2, num_stream_layers=1).eval()
+    draft.config._attn_implementation = "sdpa"
+    draft = draft.to(dtype)
+    reference = copy.deepcopy(draft).float()  # the same weights, every sum float32, torch's modules
+    served = copy.deepcopy(draft)
+    assert fastpath.install(served, "fastest") == "fastest"
+    assert next(served.parameters()).dtype == torch.float32 and served.lm_head.weight.dtype == dtype
+    calls = []
+    decoder_layer = kernels.decoder_layer
+    monkeypatch.setattr(kernels, "decoder_layer", lambda *a, **k: calls.append(a[0].shape[1]) or decoder_layer(*a, **k))
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    caches = []
+    with torch.inference_mode():
+        for model in (reference, served):
+            cache = model.new_cache()
+            model(ids, cache=cache, num_streams=0)  # the prefill: torch's modules (30 rows at once)
+            caches.append(cache)
+        assert not calls
+        trees = [  # (tokens, parents, read), with how many C calls each makes (2 plain layers + the stream layer)
+            ([5], [-1], [0], 2 + 2),  # one node: its main row, then its two streams
+            ([5, 6, 7], [-1, 0, 1], [2], 2 + 2),  # a chain
+            ([5, 6, 7, 8, 9], [-1, 0, 1, 0, 2], [3, 4], 2 + 0),  # branches: their streams see three runs, torch's
+            ([5, 6, 7], [-1, 0, 1], None, 2 + 2),  # every position read: streams at each
+        ]
+        for tokens, parents, read, expected in trees:
+            calls.clear()
+            index = None if read is None else torch.tensor(read)
+            models = zip((reference, served), caches)
+            outs = [m.tree_forward(tokens, parents, c, 30, logits_index=index) for m, c in models]
+            assert len(calls) == expected, (parents, calls)
+            torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(outs[1].stream_logits, outs[0].stream_logits, atol=1e-4, rtol=1e-4)
+            for c in caches:
+                keep_cache_path(c, 30, [])

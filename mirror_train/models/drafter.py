@@ -53,6 +53,7 @@ from mirror_train.models.multi_stream_attention import (
     joint_rows,
     split_rows,
     tree_mask,
+    tree_runs,
 )
 
 
@@ -220,14 +221,15 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
                 )
                 continue
             if i == self.first_stream_layer and S:
-                streams = h[:, :, None, :] + self.stream_embeddings.weight[:S]  # (B, T, S, H): h_t + P_j
-            h, streams = layer(h, streams, rope, mask, cache)
+                # streams only where logits are read: a stream is seen by nothing but its anchor's later streams
+                anchors = h if logits_index is None else h[:, logits_index]
+                streams = anchors[:, :, None, :] + self.stream_embeddings.weight[:S]  # (B, K, S, H): h_t + P_j
+            h, streams = layer(h, streams, rope, mask, cache, anchors=logits_index)
 
         if logits_index is not None:
             if labels is not None:
                 raise MirrorTrainError("labels need the logits of every position: do not give logits_index")
-            h = h[:, logits_index]  # (B, K, H)
-            streams = None if streams is None else streams[:, logits_index]
+            h = h[:, logits_index]  # (B, K, H); the streams are already the K anchors'
         # one head call for main and stream rows: the head is most of a decoding step's weight reads
         logits, stream_logits = split_rows(
             self.lm_head(self.norm(joint_rows(h, streams))), h.shape[1], 0 if streams is None else streams.shape[2]
@@ -304,6 +306,10 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
             raise MirrorTrainError("tree_forward needs at least one new node")
         mask, depth = tree_mask(parents, committed, n_new, self.dtype)  # (1, 1, N, cached + N), (N,)
         device = self.device
+        mask = mask.to(device)
+        runs = tree_runs(parents, committed, n_new) if device.type == "cpu" else None
+        if runs is not None:  # what the C layers read instead of the mask (fused_layer.py)
+            mask.key_runs = runs
         if features:
             for slot, f in features.items():
                 if f.shape[0] != n_new:
@@ -313,7 +319,7 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
             torch.tensor([list(tokens)], device=device),
             cache=cache,
             position_ids=(committed + depth).unsqueeze(0).to(device),  # (1, N)
-            attention_mask_4d=mask.to(device),
+            attention_mask_4d=mask,
             features=features,
             num_streams=num_streams,
             logits_index=logits_index,

@@ -103,6 +103,32 @@ def tree_mask(
     return _additive(allowed, dtype)[None, None], depth[m - num_new :]
 
 
+def tree_runs(parents: Sequence[int], committed: int, num_new: int) -> torch.Tensor | None:
+    """The keys each of the last `num_new` tree nodes sees (as `tree_mask`) as two runs, in the form the kernels
+    take (attention._runs, kernels.attention's `rows`): (3, num_new) int64, row i sees keys 0..n1−1, then
+    s2..s2+n2−1; None where some node's keys are three runs or more (its ancestors in two pieces after the ones
+    that fill the cache up from the committed context). A serial rollout's chain is one run a node; a branch
+    hanging off a spine is two."""
+    m = len(parents)
+    out = []
+    for i in range(m - num_new, m):
+        path = []
+        node = i
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        path.reverse()  # ascending: a parent comes before its child
+        r = 0
+        while r < len(path) and path[r] == r:  # the ancestors that continue the committed context unbroken
+            r += 1
+        rest = path[r:]
+        if rest and rest[-1] - rest[0] != len(rest) - 1:
+            return None
+        n1 = committed + r
+        out.append((n1, committed + rest[0] if rest else n1, len(rest)))
+    return torch.tensor(out, dtype=torch.long).T.contiguous()
+
+
 def stream_attention_mask(main_mask: torch.Tensor, num_streams: int) -> torch.Tensor:
     """The additive mask of the stream queries over [main keys ; stream keys].
 
@@ -126,19 +152,22 @@ def multi_stream_attention(
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     main_mask: torch.Tensor,
     cache=None,
+    anchors: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Self-attention of the main stream and its lookahead streams with the weights of a LlamaAttention `attn`.
 
-    rows (B, T + T·S, H): the normed main states, then the S = num_streams stream states t-major (`joint_rows`);
-    position_embeddings the (cos, sin) of the main positions, (B, T, d); main_mask (B, 1, T, L+T) additive over
-    [cache ; new]. Appends the main K/V (only) to `cache` at `attn.layer_idx`. Returns the attention outputs after
-    o_proj in the same (B, T + T·S, H) layout.
+    rows (B, T + K·S, H): the normed main states, then the S = num_streams stream states of K anchors t-major
+    (`joint_rows`); anchors (K,): the main positions that carry streams (None: all T, K = T); position_embeddings
+    the (cos, sin) of the main positions, (B, T, d); main_mask (B, 1, T, L+T) additive over [cache ; new]. Appends
+    the main K/V (only) to `cache` at `attn.layer_idx`. Returns the attention outputs after o_proj in the same
+    (B, T + K·S, H) layout.
 
     The main and stream rows go through each projection in one call: a decoding step's few rows are bound by
     reading the weights, so one call costs about what the main rows alone cost (docs/engine.md, twelfth session).
     """
     S = num_streams
-    B, T = rows.shape[0], rows.shape[1] // (1 + S)
+    B = rows.shape[0]
+    T = rows.shape[1] // (1 + S) if anchors is None else rows.shape[1] - len(anchors) * S
     d = attn.head_dim
     cos, sin = position_embeddings
     q_all, k_all, v_all = attn.q_proj(rows), attn.k_proj(rows), attn.v_proj(rows)
@@ -155,30 +184,34 @@ def multi_stream_attention(
     groups = attn.num_key_value_groups
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # (B, nh, L+T, d): what the streams attend to
 
-    qs = q_all[:, T:].reshape(B, T * S, -1, d).transpose(1, 2)  # (B, nh, T·S, d), t-major
-    ks = k_all[:, T:].reshape(B, T * S, -1, d).transpose(1, 2)  # (B, nkv, T·S, d)
-    vs = v_all[:, T:].reshape(B, T * S, -1, d).transpose(1, 2)
+    if anchors is not None:  # the streams' anchors: their rotation and what they see
+        cos, sin, main_mask = cos[:, anchors], sin[:, anchors], main_mask[:, :, anchors]
+    K = cos.shape[1]
+    qs = q_all[:, T:].reshape(B, K * S, -1, d).transpose(1, 2)  # (B, nh, K·S, d), t-major
+    ks = k_all[:, T:].reshape(B, K * S, -1, d).transpose(1, 2)  # (B, nkv, K·S, d)
+    vs = v_all[:, T:].reshape(B, K * S, -1, d).transpose(1, 2)
     # Each stream token takes its anchor's rotation (see the module docstring).
     qs, ks = apply_rotary_pos_emb(qs, ks, cos.repeat_interleave(S, dim=1), sin.repeat_interleave(S, dim=1))
     out_s = _stream_attention(qs, repeat_kv(ks, groups), repeat_kv(vs, groups), k, v, main_mask, S, attn.scaling)
-    return attn.o_proj(torch.cat([out, out_s.transpose(1, 2).reshape(B, T * S, -1)], dim=1))  # (B, T + T·S, H)
+    return attn.o_proj(torch.cat([out, out_s.transpose(1, 2).reshape(B, K * S, -1)], dim=1))  # (B, T + K·S, H)
 
 
 def joint_rows(x: torch.Tensor, xs: torch.Tensor | None) -> torch.Tensor:
-    """Main rows (B, T, H) and stream rows (B, T, S, H) as one (B, T + T·S, H) block, main first, streams t-major:
-    one call of a linear layer, an MLP or a norm computes both (they are row-wise)."""
+    """Main rows (B, T, H) and stream rows (B, K, S, H) (K = T, or the K anchors that carry streams) as one
+    (B, T + K·S, H) block, main first, streams t-major: one call of a linear layer, an MLP or a norm computes both
+    (they are row-wise)."""
     if xs is None:
         return x
-    B, T, S, H = xs.shape
-    return torch.cat([x, xs.reshape(B, T * S, H)], dim=1)
+    B, K, S, H = xs.shape
+    return torch.cat([x, xs.reshape(B, K * S, H)], dim=1)
 
 
 def split_rows(rows: torch.Tensor, T: int, S: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The inverse of `joint_rows`: (B, T + T·S, ...) → (B, T, ...) and (B, T, S, ...) (None when S = 0)."""
+    """The inverse of `joint_rows`: (B, T + K·S, ...) → (B, T, ...) and (B, K, S, ...) (None when S = 0)."""
     if not S:
         return rows, None
     B = rows.shape[0]
-    return rows[:, :T], rows[:, T:].reshape(B, T, S, *rows.shape[2:])
+    return rows[:, :T], rows[:, T:].reshape(B, -1, S, *rows.shape[2:])
 
 
 def _stream_attention(
@@ -217,16 +250,25 @@ def _stream_attention(
 class MultiStreamDecoderLayer(LlamaDecoderLayer):
     """A LlamaDecoderLayer (same parameters) whose forward also advances the lookahead streams.
 
-    The streams go through the same norms, attention projections and MLP as the main stream.
+    The streams go through the same norms, attention projections and MLP as the main stream. Served on a CPU with
+    the kernels (fused_layer.py installed), a forward runs as two C decoder-layer calls where it can
+    (`fused_layer.stream_call`): the main rows, then the stream rows, whose keys sit for that call in the cache's
+    spare room right after the main rows.
     """
 
-    def forward(self, hidden, streams, position_embeddings, attention_mask, cache=None):
-        """hidden (B, T, H), streams (B, T, S, H) or None → the same two after this layer; the other arguments
-        as `multi_stream_attention` takes them. Main and stream rows share every norm, projection and MLP call."""
+    def forward(self, hidden, streams, position_embeddings, attention_mask, cache=None, anchors=None):
+        """hidden (B, T, H), streams (B, K, S, H) or None → the same two after this layer; anchors (K,) the main
+        positions carrying streams (None: all T); the other arguments as `multi_stream_attention` takes them. Main
+        and stream rows share every norm, projection and MLP call."""
+        fused = getattr(self, "_fused_stream_call", None)
+        if fused is not None:
+            out = fused(hidden, streams, position_embeddings, attention_mask, cache, anchors)
+            if out is not None:
+                return out
         T, S = hidden.shape[1], 0 if streams is None else streams.shape[2]
-        rows = joint_rows(hidden, streams)  # (B, T + T·S, H)
+        rows = joint_rows(hidden, streams)  # (B, T + K·S, H)
         attended = multi_stream_attention(
-            self.self_attn, self.input_layernorm(rows), S, position_embeddings, attention_mask, cache
+            self.self_attn, self.input_layernorm(rows), S, position_embeddings, attention_mask, cache, anchors
         )
         rows = rows + attended
         rows = rows + self.mlp(self.post_attention_layernorm(rows))
