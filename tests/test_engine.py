@@ -977,3 +977,18 @@ def test_the_target_waits_for_the_drafts_prefill_only_where_the_draft_makes_the_
     assert server.handle(Start([1, 2, 3], 3, [5, 6, 7, 8, 9], reply=False)) == (None, None)
     reply, _ = server.handle(Verdict(0, 5, committed=[5]))
     assert isinstance(reply, Window)
+
+
+def test_the_draft_is_not_asked_before_it_should_have_prefilled_the_prompt(target, draft, prompts, references):
+    """The draft's server reports its prefill speed (ms a prompt token) with each window, and the engine serving
+    copies itself asks it for nothing until a new prompt's prefill should be over (on Spec-Bench's long prompts an
+    early ask had queued 100+ ms behind it): at an absurd reported speed no step of the next generation asks."""
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", copies="target")
+    with MirrorEngine(target, None, draft, cfg) as engine:
+        for prompt, ref in zip(prompts, references):
+            assert engine.generate(prompt, MAX_NEW, method="sd", stop=[]).tokens == ref
+        assert engine._draft_prefill_ms > 0  # measured by the server on a model draft, reported in its replies
+        engine._draft_prefill_ms = 1e9
+        for method in ("sd", "mirror"):
+            g = engine.generate(prompts[0], MAX_NEW, method=method, stop=[])
+            assert g.tokens == references[0] and not any(s.asked for s in g.steps), method

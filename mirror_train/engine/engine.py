@@ -128,6 +128,7 @@ class MirrorEngine:
         # window (its rate, E(w)/c(w) with its rollout's time), the steps it was not asked since, and how many such
         # steps it wants before it explores its model again (server.py `_serial_plan`)
         self._model_rate, self._skips, self._explore_in = math.inf, 0, 0
+        self._draft_prefill_ms = 0.0  # the draft's prefill ms a prompt token, as its process last reported
         self._costs: tuple[list[float], float] | None = None  # relative cost by window length, one-token ms
         self._verify_samples: deque[tuple[int, float]] = deque(maxlen=64)  # (window length, target ms) per step
         self.contention: float | None = None  # the target's slowdown beside the draft's work (`_measure_contention`)
@@ -310,6 +311,8 @@ class MirrorEngine:
         states = {"exit": hidden[0], "final": final[0]}
         if slots and not early:
             self._send(seq, self._start_message(seq, {slot: states[slot][:-1] for slot in slots}, reply))
+        if not reply:  # asks wait until the draft should be done with the prompt (it prefills after the Start)
+            seq.draft_free_s = time.monotonic() + self._draft_prefill_ms * len(seq.ids) / 1e3
         t0 = self._now()
         first = target_tokens(last, cfg.temperature, cfg.seed, 0)[0]
         seq.new, seq.done = truncate([first], seq.stops, seq.max_new_tokens)
@@ -503,7 +506,8 @@ class MirrorEngine:
         more than that copy in its last reply, or where it is due to explore its model again; of the two windows,
         the one that promises more. A server whose window was not the one verified is sent the committed tokens
         instead (it learns nothing from an offer the target never saw). `may_ask`: False where the draft's process
-        must not be waited for (the prefill's step)."""
+        must not be waited for (the prefill's step); nor is it asked before it should have prefilled the prompt
+        (`_Sequence.draft_free_s`: on Spec-Bench's long prompts the first ask had queued 100+ ms behind that)."""
         if seq.copier is None:
             reply = self._receive(seq) if self._send(seq, verdict) else None
             seq.window, seq.alt, seq.fork = _window(reply)
@@ -516,6 +520,7 @@ class MirrorEngine:
         ask = (
             may_ask
             and seq.channel is not None
+            and time.monotonic() >= seq.draft_free_s  # an ask before would queue behind its prefill
             and ask_model(self._model_rate, copy_rate, self._skips, self._explore_in)
         )
         reply = None
@@ -537,6 +542,8 @@ class MirrorEngine:
         """Keep what a reply of the draft's process promises for its next model window (`_next_window`)."""
         if reply is not None and "model_rate" in reply.info:
             self._model_rate, self._explore_in = reply.info["model_rate"], reply.info["explore_in"]
+        if reply is not None and reply.info.get("prefill_ms"):
+            self._draft_prefill_ms = reply.info["prefill_ms"]
         return reply
 
     def _cost_fields(self) -> tuple[list[float] | None, float | None]:
@@ -632,6 +639,9 @@ class _Sequence:
     window: list[int] = field(default_factory=list)
     alt: list[int] = field(default_factory=list)  # a forked window's second chain (forked_window.py)
     fork: int = 0  # the tokens alt shares with window
+    # time.monotonic() by which the draft's process should have prefilled the prompt (its last measured speed):
+    # asked before, the target would wait for the rest of that prefill (engine._next_window)
+    draft_free_s: float = 0.0
 
 
 def _window(reply) -> tuple[list[int], list[int], int]:

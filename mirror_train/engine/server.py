@@ -101,6 +101,7 @@ class DraftServer:
         self.step_ms: float | None = None  # the target's one-token step (from the engine)
         self.skipped = 0  # serial rollouts skipped since the last model window verified (`_serial_plan`)
         self.explore_every = EXPLORE  # the skips before a serial rollout is explored anyway (EXPLORE_MAX)
+        self.prefill_ms = 0.0  # the last prompt's prefill, ms a token (reported with each window)
         self.unexplored = 0  # windows cut to nothing in a row while a source had tokens (`_offer`)
         self.window_keys: list = []  # the calibration keys of the window being verified
         self.forks = False  # the target verifies forked windows: the other source's chain beside the window
@@ -180,7 +181,10 @@ class DraftServer:
         self.window_states = None
         self._append_states(msg.states, len(self.tokens) - 1, "the prompt")
         if self.backend is not None:
+            start = time.perf_counter()
             self.backend.reset(self.tokens, msg.reference, self._committed(0, len(self.tokens) - 1))
+            # its speed, for the engine not to ask before a prompt's prefill is done (engine._next_window)
+            self.prefill_ms = (time.perf_counter() - start) * 1e3 / max(1, len(self.tokens))
         self.cached = len(self.tokens) - 1
         self.rolled, self.rolled_spine = {}, 0
         self.window_p = self.cands = None  # a sequence that ended mid-step leaves no verdict to learn from
@@ -464,6 +468,7 @@ class DraftServer:
         info = info | {"source": source if self.window else None, "alt_source": alt_source, "rate": rate}
         if self.backend is not None:  # what asking the model next step promises, for an engine serving copies itself
             info |= {"model_rate": self._model_plan(0)[1], "explore_in": max(0, self.explore_every - self.skipped)}
+            info["prefill_ms"] = self.prefill_ms  # ms a prompt token
         return Window(list(self.window), info, list(self.alt), self.fork)
 
     def _fork(self, options: list, best: tuple) -> tuple[str, float] | None:
