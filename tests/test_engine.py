@@ -992,3 +992,36 @@ def test_the_draft_is_not_asked_before_it_should_have_prefilled_the_prompt(targe
         for method in ("sd", "mirror"):
             g = engine.generate(prompts[0], MAX_NEW, method=method, stop=[])
             assert g.tokens == references[0] and not any(s.asked for s in g.steps), method
+
+
+def test_the_draft_is_told_of_the_engines_own_windows_in_batches(target, prompts, references):
+    """Verdicts on windows the engine made itself reach the draft's process merged (`merge_verdicts`: committed
+    tokens and states one after another, the steps counted), once CATCH_UP tokens are untold or with the next ask:
+    fewer messages than steps, the server's tokens still the committed text, lossless."""
+    import numpy as np
+
+    from mirror_train.engine.messages import Verdict, merge_verdicts
+
+    a = Verdict(0, 5, {"final": np.zeros((1, 4), np.float32)}, committed=[5], reply=False, step_ms=1.0)
+    b = Verdict(1, 7, {"final": np.ones((2, 4), np.float32)}, committed=[6, 7], reply=True, step_ms=2.0)
+    merged = merge_verdicts([a, b])
+    assert merged.committed == [5, 6, 7] and merged.steps == 2 and merged.reply and merged.step_ms == 2.0
+    assert merged.states["final"].shape == (3, 4) and merged.states["final"][1:].all()
+    with pytest.raises(ValueError, match="merge"):
+        merge_verdicts([a, Verdict(0, 5)])
+    draft = SyntheticDraftConfig(acceptance=0.0, forward_ms=0, num_streams=0)  # rarely worth asking
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", copies="target")
+    with MirrorEngine(target, None, draft, cfg) as engine:
+        sent = []
+        channel = engine.draft
+        send = channel.send
+        channel.send = lambda msg: sent.append(msg) or send(msg)
+        steps = 0
+        for prompt, ref in zip(prompts, references):
+            g = engine.generate(prompt, MAX_NEW, method="sd", stop=[], reference=ref)
+            assert g.tokens == ref
+            steps += len(g.steps)
+            server = channel.server
+            told = [m for m in sent if isinstance(m, Verdict)]
+            assert server.tokens == (prompt + ref)[: len(server.tokens)]  # what it was told is the committed text
+    assert 0 < len(told) < steps and any(m.steps > 1 for m in told) and sum(m.steps for m in told) <= steps

@@ -48,7 +48,17 @@ from mirror_train.engine.acceptance import accept_forked, target_tokens, truncat
 from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDraft
 from mirror_train.engine.config import COPY_METHODS, METHODS, EngineConfig, Generation, StepStats
 from mirror_train.engine.latency import predicted_step_ms
-from mirror_train.engine.messages import Branches, Candidates, Load, Ping, Start, Verdict, expects_reply
+from mirror_train.engine.messages import (
+    Branches,
+    Candidates,
+    Load,
+    Ping,
+    Start,
+    Verdict,
+    expects_reply,
+    merge_verdicts,
+)
+from mirror_train.engine.server import CATCH_UP
 from mirror_train.engine.setup import bind_head, check_datastore, datastore_path, draft_spec
 from mirror_train.engine.window import ask_model, fit_costs
 from mirror_train.errors import MirrorTrainError
@@ -505,7 +515,8 @@ class MirrorEngine:
         process is asked for a window (else only told what was committed, `reply=False`) where its model promised
         more than that copy in its last reply, or where it is due to explore its model again; of the two windows,
         the one that promises more. A server whose window was not the one verified is sent the committed tokens
-        instead (it learns nothing from an offer the target never saw). `may_ask`: False where the draft's process
+        instead (it learns nothing from an offer the target never saw), in batches: once CATCH_UP tokens are untold
+        (it catches up on no fewer at once), or with the next ask (`merge_verdicts`). `may_ask`: False where the draft's process
         must not be waited for (the prefill's step); nor is it asked before it should have prefilled the prompt
         (`_Sequence.draft_free_s`: on Spec-Bench's long prompts the first ask had queued 100+ ms behind that)."""
         if seq.copier is None:
@@ -526,7 +537,12 @@ class MirrorEngine:
         reply = None
         if seq.channel is not None:
             told = replace(verdict, committed=None if seq.served == "draft" else committed, reply=ask)
-            if self._send(seq, told) and ask:
+            if told.committed is not None:  # a window it did not make: told in batches (merge_verdicts)
+                seq.untold.append(told)
+                told = None
+                if ask or sum(len(v.committed) for v in seq.untold) >= CATCH_UP:
+                    told, seq.untold = merge_verdicts(seq.untold), []
+            if told is not None and self._send(seq, told) and ask:
                 reply = self._note(self._receive(seq))
         self._skips = 0 if reply is not None else self._skips + 1
         if reply is not None and reply.info.get("rate", 0.0) >= copy_rate:
@@ -642,6 +658,7 @@ class _Sequence:
     # time.monotonic() by which the draft's process should have prefilled the prompt (its last measured speed):
     # asked before, the target would wait for the rest of that prefill (engine._next_window)
     draft_free_s: float = 0.0
+    untold: list = field(default_factory=list)  # verdicts the draft's process is yet to be told (_next_window)
 
 
 def _window(reply) -> tuple[list[int], list[int], int]:

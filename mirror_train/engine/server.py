@@ -302,7 +302,7 @@ class DraftServer:
         hit = None if alt_won or foreign or not msg.reply else self.rolled.get((accepted, correction))
         keep = self._end_branches(accepted)
         if not msg.reply:  # the engine serves the next window itself: book-keep, and catch up while it verifies
-            self.skipped += 1  # a step the model was not worth asking for counts as a skipped rollout
+            self.skipped += msg.steps  # a step the model was not worth asking for counts as a skipped rollout
             if keep is not None:
                 self._keep(keep)
             self.window, self.window_pairs, self.window_keys = [], None, []
