@@ -516,9 +516,10 @@ class MirrorEngine:
         more than that copy in its last reply, or where it is due to explore its model again; of the two windows,
         the one that promises more. A server whose window was not the one verified is sent the committed tokens
         instead (it learns nothing from an offer the target never saw), in batches: once CATCH_UP tokens are untold
-        (it catches up on no fewer at once), or with the next ask (`merge_verdicts`). `may_ask`: False where the draft's process
-        must not be waited for (the prefill's step); nor is it asked before it should have prefilled the prompt
-        (`_Sequence.draft_free_s`: on Spec-Bench's long prompts the first ask had queued 100+ ms behind that)."""
+        (it catches up on no fewer at once), or with the next ask (`merge_verdicts`). `may_ask`: False where the
+        draft's process must not be waited for (the prefill's step); nor is it asked before it should have
+        prefilled the prompt (`_Sequence.draft_free_s`: on Spec-Bench's long prompts the first ask had queued 100+
+        ms behind that)."""
         if seq.copier is None:
             reply = self._receive(seq) if self._send(seq, verdict) else None
             seq.window, seq.alt, seq.fork = _window(reply)
