@@ -150,6 +150,13 @@ static void T##_block_##NB##_##MB(const float *x, int64_t ldx, const WT *w, int6
    once for 8 rows: 8 rows 15-30% faster than two 4x4 passes, Zen 5, docs/engine.md sixteenth session) where 8
    input rows stay in L1 (K <= TALL_K; at K = 1536 they do not, and 3x8 ran 20% slower than 4x4 passes). */
 #define TALL_K 768
+/* bfloat16 weights take the 4-weight-row blocks from one row on: a lone weight row's chain of FMAs (K / LANES long,
+   each waiting for the one before) streams half the bytes of a float32 row per cycle, below the memory's rate, and
+   four chains kept up (Zen 4, three alternating rounds: 1-2 rows 5-30% faster on the draft's 1536x576 and
+   8192x576 shapes, 576x1536 at one row ~6% slower; docs/engine.md, twentieth session). No bit changes: each
+   output sums the same k-chunks in the same order in any block. */
+#define F32_WIDE_FROM_1 0
+#define BF16_WIDE_FROM_1 1
 #define LINEAR(T, WT)                                                                                              \
 BLOCK(T, WT, 4, 4) BLOCK(T, WT, 4, 3) BLOCK(T, WT, 4, 2) BLOCK(T, WT, 4, 1)                                        \
 BLOCK(T, WT, 3, 8) BLOCK(T, WT, 3, 7) BLOCK(T, WT, 3, 6) BLOCK(T, WT, 3, 5)                                        \
@@ -168,7 +175,7 @@ void linear_##T(const float *x, int64_t ldx, const WT *w, const float *b, float 
             int64_t mb = M - m < 8 ? M - m : 8;                                                                    \
             T##_TALL[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy, n + 6 <= N);         \
         }                                                                                                          \
-    for (; M > 2 && n + 4 <= N; n += 4)                                                                            \
+    for (; (M > 2 || T##_WIDE_FROM_1) && n + 4 <= N; n += 4)                                                       \
         for (int64_t m = 0; m < M; m += 4) {                                                                       \
             int64_t mb = M - m < 4 ? M - m : 4;                                                                    \
             T##_WIDE[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy, m == 0 && n + 8 <= N); \

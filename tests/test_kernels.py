@@ -18,11 +18,13 @@ needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler
 @pytest.mark.parametrize(
     "n,k,bias", [(576, 576, False), (49, 1536, False), (7, 13, True), (5, 3, True), (1, 64, False)]
 )
-def test_the_kernel_computes_the_linear_and_every_row_is_exact_whatever_the_rows(n, k, bias):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_computes_the_linear_and_every_row_is_exact_whatever_the_rows(n, k, bias, dtype):
     """Each output equals float64's within float32 rounding, and row i of a k-row call equals the one-row call on
-    row i bit for bit, for every k (the property that makes a verification window equal its one-token steps)."""
+    row i bit for bit, for every k (the property that makes a verification window equal its one-token steps), on
+    float32 and on bfloat16 weights (whose 1-2-row calls take other blocks than float32's)."""
     g = torch.Generator().manual_seed(n + k)
-    w, x = torch.randn(n, k, generator=g), torch.randn(17, k, generator=g)
+    w, x = torch.randn(n, k, generator=g).to(dtype), torch.randn(17, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     full = kernels.linear(x, w, b)
     exact = nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
