@@ -166,44 +166,46 @@ class FusedLayer(nn.Module):
         return None if past < 1 else (weights, layer, past)
 
     def _fused_stream_call(self, hidden, streams, rope, mask, cache, anchors):
-        """A multi-stream layer's forward (models/multi_stream_attention.py) as two C calls, or None where its own
-        must run: the main rows as any decoder layer's, then the stream rows of the K anchors, whose keys are
-        written for that call into the cache's spare room after the main rows (the cache then counts the main
-        rows only). Stream (t, j) sees its anchor's keys and streams (t, 1..j): two runs of keys where the anchor's
-        own are one (a plain causal window, or a tree node whose ancestors fill the cache up to it); three are
-        beyond the kernel, and such a forward runs the module's way. Returns (hidden, streams) as the module."""
+        """A multi-stream layer's forward (models/multi_stream_attention.py) as one C call, or None where its own
+        must run: the main rows, then the stream rows of the K anchors, whose keys the call writes into the cache's
+        spare room after the main rows (the cache then counts the main rows only), every row over its own runs of
+        keys. Stream (t, j) sees its anchor's keys and streams (t, 1..j): two runs where the anchor's own are one
+        (a plain causal window, or a tree node whose ancestors fill the cache up to it); three are beyond the
+        kernel, and such a forward runs the module's way. One call reads the layer's weights once for main and
+        stream rows alike. Returns (hidden, streams) as the module."""
         T = hidden.shape[1]
         K, S = (0, 0) if streams is None else streams.shape[1:3]
         ready = self._ready(hidden, cache, rope)
-        if ready is None or K * S > kernels.MAX_ROWS or (K and streams.dtype != torch.float32):
+        if ready is None or T + K * S > kernels.MAX_ROWS or (K and streams.dtype != torch.float32):
             return None
         weights, layer, past = ready
         runs = attention._runs(mask)
         if runs is None and not attention._plain_causal_window(mask, T, past + T):
             return None
+        if runs is None:  # a plain window: row i sees keys 0..past+i
+            first = past + torch.arange(T) + 1
+            runs = torch.stack([first, first, torch.zeros(T, dtype=torch.long)])
+        rows, (cos, sin) = hidden, rope
         if K:
             idx = torch.arange(T) if anchors is None else torch.as_tensor(anchors, dtype=torch.long).cpu()
-            if runs is not None and bool((runs[2, idx] != 0).any()):
+            if bool((runs[2, idx] != 0).any()):
                 return None
-            first = runs[0, idx] if runs is not None else past + idx + 1  # (K,) the anchors' keys 0..first-1
             j = torch.arange(S)
             stream_runs = torch.stack(
                 [
-                    first.repeat_interleave(S),
+                    runs[0, idx].repeat_interleave(S),  # the anchor's keys 0..n1-1
                     (past + T + torch.arange(K) * S).repeat_interleave(S),  # where each anchor's streams sit
                     (j + 1).repeat(K),
                 ]
             )
+            runs = torch.cat([runs, stream_runs], dim=1)
+            rows = torch.cat([hidden, streams.reshape(1, K * S, streams.shape[-1])], dim=1)
+            # each stream at its anchor's rotation
+            cos, sin = (torch.cat([r, r[:, idx].repeat_interleave(S, dim=1)], dim=1) for r in rope)
         keys, values = layer.reserve(T + K * S)
-        out = kernels.decoder_layer(hidden, weights, rope[0], rope[1], keys, values, past, runs)
-        out_streams = None
-        if K:
-            cos, sin = (r[:, idx].repeat_interleave(S, dim=1) for r in rope)  # each stream at its anchor's rotation
-            rows = streams.reshape(1, K * S, streams.shape[-1])
-            out_streams = kernels.decoder_layer(rows, weights, cos, sin, keys, values, past + T, stream_runs)
-            out_streams = out_streams.view(1, K, S, -1)
+        out = kernels.decoder_layer(rows, weights, cos, sin, keys, values, past, runs)
         layer.extend(T)
-        return out, out_streams
+        return out[:, :T], (out[:, T:].reshape(1, K, S, -1) if K else None)
 
     def __deepcopy__(self, memo):
         """A copy is a plain layer (as fastpath's copies of its linears are): what it computes is then the module's."""

@@ -332,10 +332,11 @@ def test_a_fastest_served_draft_runs_its_decoder_layers_as_c_calls(dtype, monkey
             caches.append(cache)
         assert not calls
         trees = [  # (tokens, parents, read), with how many C calls each makes (2 plain layers + the stream layer)
-            ([5], [-1], [0], 2 + 2),  # one node: its main row, then its two streams
-            ([5, 6, 7], [-1, 0, 1], [2], 2 + 2),  # a chain
+            ([5], [-1], [0], 2 + 1),  # one node: its main row and its two streams in one call
+            ([5, 6, 7], [-1, 0, 1], [2], 2 + 1),  # a chain
             ([5, 6, 7, 8, 9], [-1, 0, 1, 0, 2], [3, 4], 2 + 0),  # branches: their streams see three runs, torch's
-            ([5, 6, 7], [-1, 0, 1], None, 2 + 2),  # every position read: streams at each
+            ([5, 6, 7], [-1, 0, 1], None, 2 + 1),  # every position read: streams at each
+            ([5, 6, 7, 8, 9], [-1, 0, 1, 0, 2], [2], 2 + 1),  # branches, streams on the spine's end only
         ]
         for tokens, parents, read, expected in trees:
             calls.clear()

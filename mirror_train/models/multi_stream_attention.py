@@ -251,9 +251,9 @@ class MultiStreamDecoderLayer(LlamaDecoderLayer):
     """A LlamaDecoderLayer (same parameters) whose forward also advances the lookahead streams.
 
     The streams go through the same norms, attention projections and MLP as the main stream. Served on a CPU with
-    the kernels (fused_layer.py installed), a forward runs as two C decoder-layer calls where it can
-    (`fused_layer.stream_call`): the main rows, then the stream rows, whose keys sit for that call in the cache's
-    spare room right after the main rows.
+    the kernels (fused_layer.py installed), a forward runs as one C decoder-layer call where it can
+    (`FusedLayer._fused_stream_call`): the main rows, then the stream rows, whose keys sit for that call in the
+    cache's spare room right after the main rows.
     """
 
     def forward(self, hidden, streams, position_embeddings, attention_mask, cache=None, anchors=None):
