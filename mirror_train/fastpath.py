@@ -165,12 +165,14 @@ def _widen_activations(model: nn.Module) -> bool:
     ):
         return False
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    kept = {id(m) for m in linears} | {id(m.weight) for m in linears}  # a tied embedding stays with its head
-    for module in model.modules():
-        if id(module) in kept:
-            continue
-        for p in module.parameters(recurse=False):
-            if p.is_floating_point() and id(p) not in kept:
+    heads = {id(m.weight) for m in linears}
+    for module in [m for m in model.modules() if not isinstance(m, nn.Linear)]:
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not p.is_floating_point():
+                continue
+            if id(p) in heads:  # an embedding tied to the LM head: its own float32 copy, the head keeps bf16
+                setattr(module, name, nn.Parameter(p.detach().float(), requires_grad=p.requires_grad))
+            else:
                 p.data = p.data.float()
         for name, b in module.named_buffers(recurse=False):
             if b is not None and b.is_floating_point():

@@ -348,3 +348,27 @@ def test_a_fastest_served_draft_runs_its_decoder_layers_as_c_calls(dtype, monkey
             torch.testing.assert_close(outs[1].stream_logits, outs[0].stream_logits, atol=1e-4, rtol=1e-4)
             for c in caches:
                 keep_cache_path(c, 30, [])
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the C kernels (a C compiler)")
+def test_a_bf16_draft_whose_embedding_is_tied_to_its_head_is_served_with_float32_activations():
+    """The embedding tied to the LM head (a draft cut from a tied target, whole vocabulary) gets its own float32
+    copy where the head keeps its bf16 weights: the activations, the masks and the cache are float32 throughout
+    (a bf16 embedding had made the prompt's mask bf16 against float32 queries after the first norm)."""
+    from mirror_train.models.drafter import MirrorDrafterForCausalLM
+    from mirror_train.random_models import tiny_model
+
+    draft = MirrorDrafterForCausalLM.from_target(tiny_model("llama", layers=4), 3, num_streams=2, num_stream_layers=1)
+    draft.lm_head.weight = draft.embed_tokens.weight
+    draft = draft.eval().to(torch.bfloat16)
+    reference = copy.deepcopy(draft).float()
+    assert fastpath.install(draft, "fastest") == "fastest"
+    assert draft.embed_tokens.weight.dtype == torch.float32 and draft.lm_head.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(0))  # past the kernels' rows
+    with torch.inference_mode():
+        outs = []
+        for model in (reference, draft):
+            cache = model.new_cache()
+            model(ids, cache=cache, num_streams=0)
+            outs.append(model.tree_forward([5, 6], [-1, 0], cache, logits_index=torch.tensor([1])))
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, atol=5e-2, rtol=5e-2)
