@@ -135,6 +135,7 @@ def install(model: nn.Module, kind: str = "auto") -> str:
             if shape not in routes:
                 routes[shape] = _routes(module, [p for p in paths if p != "exact" or contiguous], param.dtype)
             module.routes = routes[shape]
+        fused_layer.cap_rows(model)  # after the routes: the modules' path it is timed against is theirs
         return kind
     crossovers: dict[tuple, float] = {}
     for module in linears:

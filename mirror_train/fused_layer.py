@@ -75,6 +75,50 @@ def _linears(layer: nn.Module) -> tuple[nn.Linear, ...]:
     return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
 
+CAP_ROWS = (1, 4, 8, 16, 32, kernels.MAX_ROWS)  # the chain lengths `cap_rows` times
+
+
+def cap_rows(model: nn.Module, context: int = 64, repeats: int = 5) -> int:
+    """For a draft served `fastest` (its rounding free): the most rows up to which its fused layers' C calls measured
+    no slower than its modules' path (routed linears: oneDNN's GEMMs, AMX where the CPU has it) on chains of
+    CAP_ROWS new tokens after `context` cached ones; set on its fused layers and returned. A C layer's float32 sums
+    are compute-bound past ~16 rows, where a bf16 GEMM may not be (Zen 4: even at 32 rows, docs/engine.md, twentieth
+    session). Models without the draft's tree forward keep kernels.MAX_ROWS."""
+    layers = [layer for layer in decoder_layers(model) if isinstance(layer, FusedLayer)]
+    if not layers or not hasattr(model, "tree_forward") or not hasattr(model, "new_cache"):
+        return kernels.MAX_ROWS
+    from mirror_train.timing import median_ms
+
+    def set_cap(rows: int) -> None:
+        for layer in layers:
+            layer.max_rows = rows
+
+    cache = model.new_cache()
+    cap = 0
+    with torch.inference_mode():
+        ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+        model(ids, cache=cache, num_streams=0, logits_index=torch.tensor([context - 1]))
+        for n in CAP_ROWS:
+
+            def chain(n=n):
+                model.tree_forward(
+                    list(range(1, n + 1)), list(range(-1, n - 1)), cache, logits_index=torch.tensor([n - 1])
+                )
+                for layer in cache.layers:  # back to the context (transformers' crop takes what to drop)
+                    if layer.get_seq_length() > context:
+                        layer.crop(context - layer.get_seq_length())
+
+            times = {}
+            for rows in (kernels.MAX_ROWS, 0, kernels.MAX_ROWS, 0):  # alternating: the machine's drift hits both
+                set_cap(rows)
+                times.setdefault(rows, []).append(median_ms(chain, repeats=repeats, warmup=1))
+            if min(times[kernels.MAX_ROWS]) > 1.05 * min(times[0]):
+                break
+            cap = n
+    set_cap(cap)
+    return cap
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of a transformers model (its decoder's `layers`, or its own: the draft keeps them)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
@@ -107,6 +151,9 @@ class FusedLayer(nn.Module):
     """Mixed in before a decoder layer's own class (`install`): its forward takes the C layer where it applies."""
 
     _plain_class: type
+    # the most rows a call runs in C (kernels.MAX_ROWS; a draft's, where the C layer measured slower past fewer rows
+    # than oneDNN's GEMMs on this machine: `cap_rows`)
+    max_rows: int = kernels.MAX_ROWS
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         fused = None if args else self._fused_call(hidden_states, kwargs)
@@ -149,7 +196,7 @@ class FusedLayer(nn.Module):
             or x.device.type != "cpu"
             or x.dim() != 3
             or x.shape[0] != 1
-            or not 1 <= x.shape[1] <= kernels.MAX_ROWS
+            or not 1 <= x.shape[1] <= self.max_rows
             or x.requires_grad
             or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))  # no backward in C
         ):
@@ -176,7 +223,7 @@ class FusedLayer(nn.Module):
         T = hidden.shape[1]
         K, S = (0, 0) if streams is None else streams.shape[1:3]
         ready = self._ready(hidden, cache, rope)
-        if ready is None or T + K * S > kernels.MAX_ROWS or (K and streams.dtype != torch.float32):
+        if ready is None or T + K * S > self.max_rows or (K and streams.dtype != torch.float32):
             return None
         weights, layer, past = ready
         runs = attention._runs(mask)

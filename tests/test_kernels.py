@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from mirror_train import fastpath, kernels
+from mirror_train import fastpath, fused_layer, kernels
 from mirror_train.errors import MirrorTrainError
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the kernel")
@@ -320,6 +320,11 @@ def test_a_fastest_served_draft_runs_its_decoder_layers_as_c_calls(dtype, monkey
     served = copy.deepcopy(draft)
     assert fastpath.install(served, "fastest") == "fastest"
     assert next(served.parameters()).dtype == torch.float32 and served.lm_head.weight.dtype == dtype
+    layers = fused_layer.decoder_layers(served)
+    caps = {layer.max_rows for layer in layers}  # measured at install (fused_layer.cap_rows)
+    assert len(caps) == 1 and caps <= {0, *fused_layer.CAP_ROWS}
+    for layer in layers:  # the counts below are of every call the C layer can take
+        layer.max_rows = kernels.MAX_ROWS
     calls = []
     decoder_layer = kernels.decoder_layer
     monkeypatch.setattr(kernels, "decoder_layer", lambda *a, **k: calls.append(a[0].shape[1]) or decoder_layer(*a, **k))
