@@ -101,9 +101,8 @@ def cap_rows(model: nn.Module, context: int = 64, repeats: int = 5) -> int:
         for n in CAP_ROWS:
 
             def chain(n=n):
-                model.tree_forward(
-                    list(range(1, n + 1)), list(range(-1, n - 1)), cache, logits_index=torch.tensor([n - 1])
-                )
+                tokens = [i % model.config.vocab_size for i in range(1, n + 1)]  # any ids of its vocabulary
+                model.tree_forward(tokens, list(range(-1, n - 1)), cache, logits_index=torch.tensor([n - 1]))
                 for layer in cache.layers:  # back to the context (transformers' crop takes what to drop)
                     if layer.get_seq_length() > context:
                         layer.crop(context - layer.get_seq_length())
