@@ -47,7 +47,7 @@ def forked(mask: torch.Tensor, runs: torch.Tensor) -> torch.Tensor:
 
 def _runs(mask) -> torch.Tensor | None:
     """The key runs of a mask's rows: a forked window's (`forked`), or those a draft's tree forward attached to
-    its mask (`key_runs`, multi_stream_attention.tree_runs); None for any other mask."""
+    its mask (`key_runs`, multi_stream_attention.tree_mask); None for any other mask."""
     if mask is None:
         return None
     return _forked[1] if _forked[0] is mask else getattr(mask, "key_runs", None)

@@ -24,7 +24,7 @@ import functools
 import torch
 from torch import nn
 
-from mirror_train import attention, kernels
+from mirror_train import attention, kernels, kv_cache
 from mirror_train.kv_cache import GrowingLayer
 
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")  # weight * (x * rsqrt(mean(x²) + eps)), no offset
@@ -103,9 +103,7 @@ def cap_rows(model: nn.Module, context: int = 64, repeats: int = 5) -> int:
             def chain(n=n):
                 tokens = [i % model.config.vocab_size for i in range(1, n + 1)]  # any ids of its vocabulary
                 model.tree_forward(tokens, list(range(-1, n - 1)), cache, logits_index=torch.tensor([n - 1]))
-                for layer in cache.layers:  # back to the context (transformers' crop takes what to drop)
-                    if layer.get_seq_length() > context:
-                        layer.crop(context - layer.get_seq_length())
+                kv_cache.crop(cache, context)
 
             times = {}
             for rows in (kernels.MAX_ROWS, 0, kernels.MAX_ROWS, 0):  # alternating: the machine's drift hits both

@@ -73,6 +73,21 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
+def crop(cache, length: int) -> None:
+    """Drop every cached position ≥ `length`, layer by layer.
+
+    Layers are cropped one at a time because after a prefix without its suffix (an aborted step) the lower
+    layers hold more positions than the upper ones. transformers 5.24's crop takes a negative count to drop;
+    sliding-window layers are cropped even when nothing is dropped, which trims them back to their window.
+    """
+    if length < 0:
+        raise ValueError(f"cannot crop a cache to a negative length ({length})")
+    for layer in cache.layers:
+        extra = max(layer.get_seq_length() - length, 0)
+        if extra or getattr(layer, "is_sliding", False):
+            layer.crop(-extra)
+
+
 def grow_in_place(cache):
     """Make the full-attention layers of a transformers DynamicCache grow in place (sliding-window layers, which
     trim themselves, keep their own update); returns the cache."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mirror_train import attention
+from mirror_train import attention, kv_cache
 from mirror_train.alignment import align_parameters
 from mirror_train.devices import resolve_device
 from mirror_train.errors import MirrorTrainError
@@ -166,20 +166,7 @@ class Target:
     def cache_length(cache) -> int:
         return cache.get_seq_length() if cache is not None else 0
 
-    @staticmethod
-    def crop(cache, length: int) -> None:
-        """Drop every cached position ≥ `length`, layer by layer.
-
-        Layers are cropped one at a time because after a prefix without its suffix (an aborted step) the lower
-        layers hold more positions than the upper ones. transformers 5.24's crop takes a negative count to drop;
-        sliding-window layers are cropped even when nothing is dropped, which trims them back to their window.
-        """
-        if length < 0:
-            raise ValueError(f"cannot crop a cache to a negative length ({length})")
-        for layer in cache.layers:
-            extra = max(layer.get_seq_length() - length, 0)
-            if extra or getattr(layer, "is_sliding", False):
-                layer.crop(-extra)
+    crop = staticmethod(kv_cache.crop)  # drop every cached position ≥ length, layer by layer
 
     @staticmethod
     @torch.inference_mode()

@@ -53,7 +53,6 @@ from mirror_train.models.multi_stream_attention import (
     joint_rows,
     split_rows,
     tree_mask,
-    tree_runs,
 )
 
 
@@ -304,12 +303,10 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
             )
         if n_new == 0:
             raise MirrorTrainError("tree_forward needs at least one new node")
-        mask, depth = tree_mask(parents, committed, n_new, self.dtype)  # (1, 1, N, cached + N), (N,)
+        # (1, 1, N, cached + N) with its key runs for the C layers (`key_runs`, CPU only: a copy has none), (N,)
+        mask, depth = tree_mask(parents, committed, n_new, self.dtype)
         device = self.device
         mask = mask.to(device)
-        runs = tree_runs(parents, committed, n_new) if device.type == "cpu" else None
-        if runs is not None:  # what the C layers read instead of the mask (fused_layer.py)
-            mask.key_runs = runs
         if features:
             for slot, f in features.items():
                 if f.shape[0] != n_new:

@@ -89,35 +89,36 @@ def tree_mask(
 
     parents (M,): each node's parent as an index into the M nodes, -1 for the end of the `committed` context; a
     parent comes before its child. Returns (1, 1, num_new, committed + M) and (num_new,) long (depth 0 under -1).
+    The mask carries the same keys as runs where every node's are two runs at most (`key_runs`, `_key_runs`):
+    what the C layers read instead of it (attention._runs, fused_layer.py).
     """
     m = len(parents)
     ancestors = torch.eye(m, dtype=torch.bool)  # [i, k]: node k is node i or one of its ancestors
     depth = torch.zeros(m, dtype=torch.long)
+    paths: list[list[int]] = []  # each node's ancestors and itself, ascending
     for i, p in enumerate(parents):
         if not -1 <= p < i:
             raise MirrorTrainError(f"node {i} has parent {p}: a parent must be -1 or an earlier node")
+        paths.append((paths[p] if p >= 0 else []) + [i])
         if p >= 0:
             ancestors[i] |= ancestors[p]
             depth[i] = depth[p] + 1
     allowed = torch.cat([torch.ones(num_new, committed, dtype=torch.bool), ancestors[m - num_new :]], dim=1)
-    return _additive(allowed, dtype)[None, None], depth[m - num_new :]
+    mask = _additive(allowed, dtype)[None, None]
+    runs = _key_runs(paths[m - num_new :], committed)
+    if runs is not None:
+        mask.key_runs = runs
+    return mask, depth[m - num_new :]
 
 
-def tree_runs(parents: Sequence[int], committed: int, num_new: int) -> torch.Tensor | None:
-    """The keys each of the last `num_new` tree nodes sees (as `tree_mask`) as two runs, in the form the kernels
-    take (attention._runs, kernels.attention's `rows`): (3, num_new) int64, row i sees keys 0..n1−1, then
+def _key_runs(paths: Sequence[Sequence[int]], committed: int) -> torch.Tensor | None:
+    """The keys of nodes with these ancestor paths (ascending, the node last) as two runs, in the form the kernels
+    take (attention._runs, kernels.attention's `rows`): (3, len(paths)) int64, row i sees keys 0..n1−1, then
     s2..s2+n2−1; None where some node's keys are three runs or more (its ancestors in two pieces after the ones
     that fill the cache up from the committed context). A serial rollout's chain is one run a node; a branch
     hanging off a spine is two."""
-    m = len(parents)
     out = []
-    for i in range(m - num_new, m):
-        path = []
-        node = i
-        while node >= 0:
-            path.append(node)
-            node = parents[node]
-        path.reverse()  # ascending: a parent comes before its child
+    for path in paths:
         r = 0
         while r < len(path) and path[r] == r:  # the ancestors that continue the committed context unbroken
             r += 1
