@@ -60,6 +60,7 @@ class DrafterModelConfig:
     init: str = "target"  # "target": its embeddings, first num_layers layers, final norm, LM head; "scratch":
     # the same shapes, random; else the path or Hub id of a small Llama-shaped model with the target's tokenizer
     num_layers: int = 4
+    source_layers: Literal["first", "last"] | list[int] = "first"  # init=target or a donor: which of its layers
     num_streams: int = 2  # γ': lookahead streams, so one forward proposes 1 + γ' tokens
     num_stream_layers: int = 1  # N_s: the top N_s layers carry the streams
     draft_vocab_size: int | None = None  # None: the whole vocabulary; else the most frequent ids (EAGLE-3's d2t)
@@ -188,7 +189,9 @@ def build_draft(cfg: DrafterModelConfig, target, cache: FeatureCache) -> MirrorD
         specials = target.tokenizer.all_special_ids
         vocab = frequent_token_map([text, argmax], cfg.draft_vocab_size, target.vocab_size, specials)
     source = target if cfg.init in ("target", "scratch") else _donor(cfg.init, target)
-    donor = MirrorDrafterForCausalLM.from_target(source, cfg.num_layers, cfg.num_streams, cfg.num_stream_layers, vocab)
+    donor = MirrorDrafterForCausalLM.from_target(
+        source, cfg.num_layers, cfg.num_streams, cfg.num_stream_layers, vocab, source_layers=cfg.source_layers
+    )
     config = copy.deepcopy(donor.config)
     config.target = target.signature().to_dict()
     if cfg.feature_conditioning == "target_hidden":

@@ -61,6 +61,14 @@ def test_a_shallow_draft_equals_the_targets_first_layers(llama):
         torch.testing.assert_close(draft(x).logits, shallow(x).logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("source_layers, numbers", [("first", [1, 2]), ("last", [3, 4]), ([4, 1], [4, 1])])
+def test_a_draft_starts_from_the_target_layers_it_names(llama, source_layers, numbers):
+    draft = drafter(llama, num_layers=2, num_streams=1, num_stream_layers=1, source_layers=source_layers)
+    layers = llama.get_decoder().layers
+    for layer, number in zip(draft.layers, numbers, strict=True):
+        torch.testing.assert_close(layer.mlp.up_proj.weight, layers[number - 1].mlp.up_proj.weight, atol=0, rtol=0)
+
+
 def test_a_tied_target_gives_a_tied_draft():
     tied = tiny_model("llama", layers=2, vocab=VOCAB)
     tied.config.tie_word_embeddings = True
@@ -504,6 +512,9 @@ def test_bad_from_target_arguments_are_refused(llama):
         drafter(llama, num_layers=5)
     with pytest.raises(MirrorTrainError, match="num_stream_layers"):
         drafter(llama, num_layers=2, num_stream_layers=3)
+    for source_layers in ("middle", [1], [0, 1], [1, 5]):
+        with pytest.raises(MirrorTrainError, match="source_layers"):
+            drafter(llama, num_layers=2, source_layers=source_layers)
     with pytest.raises(MirrorTrainError, match="outside the target's vocabulary"):
         drafter(llama, draft_vocab=[1, VOCAB])
     with pytest.raises(MirrorTrainError, match="sliding-window"):

@@ -28,11 +28,13 @@ def build_from_target(
     feature_conditioning: str = "none",
     target_exit_layer: int | None = None,
     tokenizer=None,
+    source_layers: str | Sequence[int] = "first",
 ):
     """A `cls` (MirrorDrafterForCausalLM) initialised from a Llama-shaped transformers target (or a `Target`): its
-    embeddings, its first `num_layers` decoder layers, its final norm and its LM head (only the `draft_vocab` rows
-    when given: a list of target ids, which becomes `d2t`). `target_exit_layer` (ℓe, default N/2) is for feature
-    conditioning. With a tokenizer, the target's signature is stored in the config for `check_compatible`.
+    embeddings, `num_layers` of its decoder layers (`source_layers`: "first", "last", or their 1-based numbers), its
+    final norm and its LM head (only the `draft_vocab` rows when given: a list of target ids, which becomes `d2t`).
+    `target_exit_layer` (ℓe, default N/2) is for feature conditioning. With a tokenizer, the target's signature is
+    stored in the config for `check_compatible`.
     """
     model, tokenizer = _unwrap_target(target_model, tokenizer)
     tc = model.config
@@ -41,6 +43,7 @@ def build_from_target(
     _check_llama_shaped(tc)
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= n:
         raise MirrorTrainError(f"num_layers must be in 1..{n} (the target has {n} layers), got {num_layers!r}")
+    sources = pick_layers(source_layers, num_layers, n)
     head = model.get_output_embeddings().weight  # (V, H)
     if draft_vocab is not None:
         draft_vocab = torch.as_tensor(draft_vocab, dtype=torch.long).flatten()
@@ -84,8 +87,8 @@ def build_from_target(
     draft = cls(config).to(device=head.device, dtype=head.dtype)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(decoder.embed_tokens.weight)
-        for i in range(num_layers):
-            _load_layer(draft.layers[i], decoder.layers[i], i + 1)
+        for i, number in enumerate(sources):
+            _load_layer(draft.layers[i], decoder.layers[number - 1], number)
         draft.norm.load_state_dict(decoder.norm.state_dict())
         if draft_vocab is not None:
             draft.lm_head.weight.copy_(head[draft_vocab.to(head.device)])
@@ -93,6 +96,20 @@ def build_from_target(
         elif not config.tie_word_embeddings:
             draft.lm_head.weight.copy_(head)
     return draft.eval()
+
+
+def pick_layers(source_layers: str | Sequence[int], num_layers: int, n: int) -> list[int]:
+    """The 1-based numbers of the target layers a `num_layers`-layer draft starts from, of the target's `n`."""
+    if source_layers == "first":
+        return list(range(1, num_layers + 1))
+    if source_layers == "last":
+        return list(range(n - num_layers + 1, n + 1))
+    numbers = [] if isinstance(source_layers, str) else list(source_layers)
+    if len(numbers) != num_layers or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n for k in numbers):
+        raise MirrorTrainError(
+            f"source_layers must be 'first', 'last' or {num_layers} target layer numbers in 1..{n}, got {source_layers!r}"
+        )
+    return numbers
 
 
 @torch.no_grad()
