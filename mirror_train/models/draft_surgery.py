@@ -105,9 +105,11 @@ def pick_layers(source_layers: str | Sequence[int], num_layers: int, n: int) -> 
     if source_layers == "last":
         return list(range(n - num_layers + 1, n + 1))
     numbers = [] if isinstance(source_layers, str) else list(source_layers)
-    if len(numbers) != num_layers or any(isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n for k in numbers):
+    valid = all(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= n for k in numbers)
+    if len(numbers) != num_layers or not valid:
         raise MirrorTrainError(
-            f"source_layers must be 'first', 'last' or {num_layers} target layer numbers in 1..{n}, got {source_layers!r}"
+            f"source_layers must be 'first', 'last' or {num_layers} target layer numbers in 1..{n}, "
+            f"got {source_layers!r}"
         )
     return numbers
 
