@@ -303,9 +303,9 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
             )
         if n_new == 0:
             raise MirrorTrainError("tree_forward needs at least one new node")
-        # (1, 1, N, cached + N) with its key runs for the C layers (`key_runs`, CPU only: a copy has none), (N,)
-        mask, depth = tree_mask(parents, committed, n_new, self.dtype)
         device = self.device
+        # (1, 1, N, cached + N), with its key runs for the C layers on a CPU (`key_runs`), and (N,)
+        mask, depth = tree_mask(parents, committed, n_new, self.dtype, key_runs=device.type == "cpu")
         mask = mask.to(device)
         if features:
             for slot, f in features.items():

@@ -83,14 +83,14 @@ def ttt_mask(segments: torch.Tensor, rows: Sequence[torch.Tensor], step: int, dt
 
 
 def tree_mask(
-    parents: Sequence[int], committed: int, num_new: int, dtype: torch.dtype
+    parents: Sequence[int], committed: int, num_new: int, dtype: torch.dtype, key_runs: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The mask of the last `num_new` of M uncommitted tree nodes, and their depths.
 
     parents (M,): each node's parent as an index into the M nodes, -1 for the end of the `committed` context; a
     parent comes before its child. Returns (1, 1, num_new, committed + M) and (num_new,) long (depth 0 under -1).
-    The mask carries the same keys as runs where every node's are two runs at most (`key_runs`, `_key_runs`):
-    what the C layers read instead of it (attention._runs, fused_layer.py).
+    With `key_runs`, the mask carries the same keys as runs where every node's are two runs at most (`key_runs`,
+    `_key_runs`): what the C layers read instead of it (attention._runs, fused_layer.py; CPU only).
     """
     m = len(parents)
     ancestors = torch.eye(m, dtype=torch.bool)  # [i, k]: node k is node i or one of its ancestors
@@ -105,7 +105,7 @@ def tree_mask(
             depth[i] = depth[p] + 1
     allowed = torch.cat([torch.ones(num_new, committed, dtype=torch.bool), ancestors[m - num_new :]], dim=1)
     mask = _additive(allowed, dtype)[None, None]
-    runs = _key_runs(paths[m - num_new :], committed)
+    runs = _key_runs(paths[m - num_new :], committed) if key_runs else None
     if runs is not None:
         mask.key_runs = runs
     return mask, depth[m - num_new :]
