@@ -57,10 +57,10 @@ _DROPPED_LOGP = -1e4  # log-prob of a top-k id outside the draft's vocabulary (s
 
 @dataclass
 class DrafterModelConfig:
-    init: str = "target"  # "target": its embeddings, first num_layers layers, final norm, LM head; "scratch":
+    init: str = "target"  # "target": its embeddings, num_layers of its layers, final norm, LM head; "scratch":
     # the same shapes, random; else the path or Hub id of a small Llama-shaped model with the target's tokenizer
     num_layers: int = 4
-    source_layers: Literal["first", "last"] | list[int] = "first"  # init=target or a donor: which of its layers
+    source_layers: Literal["first", "last"] | list[int] = "first"  # which layers of the target (or donor): 1-based
     num_streams: int = 2  # γ': lookahead streams, so one forward proposes 1 + γ' tokens
     num_stream_layers: int = 1  # N_s: the top N_s layers carry the streams
     draft_vocab_size: int | None = None  # None: the whole vocabulary; else the most frequent ids (EAGLE-3's d2t)
