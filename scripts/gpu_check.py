@@ -169,7 +169,8 @@ def recipes_check(device: torch.device, work: Path, target_dir: Path):
             cwd=ROOT,
             timeout=400,
         )
-        if done.returncode != 0:
+        if done.returncode != 0:  # the last line is accelerate's CalledProcessError: the cause is above it
+            print(f"--- {recipe} recipe's stderr, its end ---\n" + "\n".join(done.stderr.splitlines()[-25:]))
             raise RuntimeError(f"{recipe} recipe failed: {done.stderr.strip().splitlines()[-1]}")
     target = Target.load(str(target_dir), device=device)
     head = load_proxy_head(work / "proxy" / "export", target)
