@@ -77,6 +77,8 @@ def row_invariant_sdpa(module, query, key, value, attention_mask, *args, **kwarg
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     q_len, kv_len = query.shape[2], key.shape[2]
+    if getattr(attention_mask, "static_rows", False):  # a window over a fixed-capacity cache (static_step.py)
+        return _static_rows(module, query, key, value, attention_mask, *args, **kwargs), None
     runs = _runs(attention_mask)
     if runs is not None and query.shape[0] == 1 and kwargs.get("position_bias") is None:
         return _forked_rows(module, query, key, value, runs, *args, **kwargs), None
@@ -96,6 +98,19 @@ def row_invariant_sdpa(module, query, key, value, attention_mask, *args, **kwarg
         )
         rows.append(out)
     return torch.cat(rows, dim=1), None
+
+
+def _static_rows(module, query, key, value, mask, *args, **kwargs):
+    """Each row of a window over a static cache (static_step.py) as its own one-row SDPA call over the whole buffer
+    under its row of the mask: the call a one-token step makes, whatever the window's width, with no host
+    synchronisation (it runs inside CUDA graphs)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rows = [
+        sdpa_attention_forward(module, query[:, :, i : i + 1], key, value, mask[:, :, i : i + 1], *args, **kwargs)[0]
+        for i in range(query.shape[2])
+    ]
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
 
 
 def _forked_rows(module, query, key, value, runs, *args, **kwargs):
@@ -119,7 +134,8 @@ def row_exact_kernel(module, query, key, value, attention_mask, *args, **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
     runs = _runs(attention_mask)
     if (
-        query.shape[0] != 1
+        getattr(attention_mask, "static_rows", False)
+        or query.shape[0] != 1
         or not 1 <= q_len <= MAX_ROWS
         or q_len >= kv_len
         or query.dtype != torch.float32

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mirror_train import attention, kv_cache
+from mirror_train import attention, kv_cache, static_step
 from mirror_train.alignment import align_parameters
 from mirror_train.devices import resolve_device
 from mirror_train.errors import MirrorTrainError
@@ -55,6 +55,7 @@ class PrefixState:
     position_ids: torch.Tensor  # (1, T)
     masks: dict[str, Any]  # attention type → mask, built once for the window
     position_embeddings: dict[str, tuple[torch.Tensor, torch.Tensor]]  # attention type → (cos, sin)
+    static: Any = None  # a window over the static cache: its input buffers (static_step.py)
 
 
 class Target:
@@ -83,6 +84,7 @@ class Target:
         self._softcap = getattr(self.config, "final_logit_softcapping", None)
         # A window scored at once must equal the same tokens scored one by one, bit for bit (mirror_train/attention.py).
         self.row_invariant = attention.install(model)
+        self.static: static_step.StaticSteps | None = None  # the fixed-shape step, once `use_static` chose it
 
     @classmethod
     def load(
@@ -152,7 +154,16 @@ class Target:
         return TargetSignature.of(self.config, self.tokenizer, upstream_name(self.name_or_path))
 
     # --- KV cache ----------------------------------------------------------------------------------------------
+    def use_static(self, graphs: bool, capacity: int = static_step.MIN_CAPACITY) -> Target:
+        """Serve from a KV cache of fixed capacity, windows replayed from CUDA graphs where `graphs`
+        (static_step.py): every later `new_cache` is that one cache, reset. Returns self."""
+        self.static = static_step.StaticSteps(self, capacity, graphs)
+        return self
+
     def new_cache(self):
+        if self.static is not None:  # one sequence at a time (static_step.py)
+            self.static.cache.reset()
+            return self.static.cache
         from transformers import DynamicCache
 
         from mirror_train.kv_cache import grow_in_place
@@ -166,7 +177,13 @@ class Target:
     def cache_length(cache) -> int:
         return cache.get_seq_length() if cache is not None else 0
 
-    crop = staticmethod(kv_cache.crop)  # drop every cached position ≥ length, layer by layer
+    @staticmethod
+    def crop(cache, length: int) -> None:
+        """Drop every cached position ≥ length (layer by layer; a static cache only moves its length back)."""
+        if isinstance(cache, static_step.StaticKV):
+            cache.crop(length)
+        else:
+            kv_cache.crop(cache, length)
 
     @staticmethod
     @torch.inference_mode()
@@ -246,6 +263,11 @@ class Target:
         window's rows are two chains (forked_window.py).
         """
         self.check_exit_layer(exit_layer)
+        if isinstance(cache, static_step.StaticKV):
+            if attention_mask is not None:
+                raise MirrorTrainError("the static cache serves one unpadded sequence (no attention_mask)")
+            hidden, inputs = self.static.prefix(input_ids, exit_layer, forked)
+            return PrefixState(hidden, exit_layer, cache, inputs.positions, {}, {}, static=inputs)
         state = self.window_state(self.decoder.embed_tokens(input_ids), cache, attention_mask, forked)
         state.exit_layer = exit_layer
         state.hidden = self.run_layers(state, self.decoder.layers, range(exit_layer))
@@ -260,6 +282,8 @@ class Target:
     def suffix_states(self, state: PrefixState) -> tuple[torch.Tensor, torch.Tensor]:
         """`suffix`, and the final states (B, T, H) the LM head read (after the final norm: layer N's cached state,
         what a draft reading the target's final states is fed)."""
+        if state.static is not None:
+            return self.static.suffix(state.static, state.exit_layer)
         hidden = self.run_layers(state, self.decoder.layers, range(state.exit_layer, self.num_layers))
         final = self.decoder.norm(hidden)
         return self.logits(final), final
@@ -291,6 +315,8 @@ class Target:
         or draft with a cache of its own, the final logits of the last position (B, V): the first new token (the LM
         head runs on that row only), and the final states (B, T, H) (as `suffix_states`). `on_exit(states)`, if
         given, is called with the ℓe states between the halves (to send them on while the upper layers run)."""
+        if isinstance(cache, static_step.StaticKV):
+            return self.static.prefill(input_ids, exit_layer, on_exit)
         state = self.prefix(input_ids, cache, exit_layer)
         exit_hidden = state.hidden
         if on_exit is not None:

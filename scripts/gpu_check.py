@@ -12,8 +12,11 @@ Checks, each timed, each a row of the table:
                in-process; the draft on the target's device and on the CPU), every method: greedy output equal to
                transformers' `generate` of the same served target, token for token
   specbench    a one-question-per-task Spec-Bench run of the exported pair, every method lossless
-  synthetic    the synthetic-draft table on a random target of realistic size (a Llama-3-8B shape in bf16 on CUDA,
-               a small one on the CPU): ar vs serial SD vs Mirror-SD at acceptance 0.6-0.9, overlap efficiency
+  step         the target's step on a random target of realistic size (a Llama-3-8B shape in bf16 on CUDA, a small
+               one on the CPU), the growing cache against the fixed-shape one (static_step.py: CUDA graphs on a
+               GPU): ms a token, windows of 1-16 rows, graph captures and their time, ar's tokens under each
+  synthetic    the synthetic-draft table on that target, under each step: ar vs serial SD vs Mirror-SD at
+               acceptance 0.6-0.9, every output against ar's, overlap efficiency
 Prints one Markdown table per part and writes `--out/gpu_check.json` (it names the device). Exit status 1 if any
 check failed.
 """
@@ -250,24 +253,89 @@ def specbench_check(device: torch.device, target_dir: Path, artifacts, work: Pat
     return {"lossless": lossless, "speedup": speed}, f"6 tasks × 1 question, every method lossless: {lossless}"
 
 
-# --- the synthetic-draft table on a realistic-size target -------------------------------------------------------
-def synthetic_check(device: torch.device, acceptances=(0.6, 0.7, 0.8, 0.9)):
+# --- the target's step and the synthetic-draft table on a realistic-size target -----------------------------------
+_REALISTIC: dict = {}
+
+
+def realistic_target(device: torch.device) -> tuple[Target, str]:
+    """A random Llama-3-8B shape in bf16 on CUDA (a small float32 one on a CPU: that it runs, not a measurement),
+    made once for the step check and the synthetic table."""
+    if device not in _REALISTIC:
+        if device.type == "cuda":
+            shape, dtype, label = LLAMA3_8B, torch.bfloat16, "Llama-3-8B shape, bf16"
+        else:
+            shape = {
+                "vocab_size": 4096,
+                "hidden_size": 512,
+                "intermediate_size": 1536,
+                "num_hidden_layers": 8,
+                "num_attention_heads": 8,
+            }
+            dtype, label = torch.float32, "8 layers × 512, float32"
+        _REALISTIC[device] = Target(llama_shaped(shape, device, dtype), None, name_or_path=f"random {label}"), label
+    return _REALISTIC[device]
+
+
+def step_kinds(device: torch.device) -> list[str]:
+    """The target steps compared: the growing cache, and the fixed-shape one (replayed from CUDA graphs on a GPU)."""
+    return ["dynamic", "graphs" if device.type == "cuda" else "static"]
+
+
+def step_check(device: torch.device, context: int = 512, widths=(1, 2, 4, 8, 16)):
+    """The target's step by window width, each step kind side by side (median ms: a window after `context` tokens,
+    rolled back each time), and greedy ar under each: the same tokens? (graphs' attention reads a masked buffer, so
+    bf16 may round apart from the growing cache's; within one kind every method must equal its ar)."""
+    from mirror_train.timing import median_ms
+
+    target, label = realistic_target(device)
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(10, target.vocab_size, (1, context + max(widths)), generator=generator).to(device)
+    prompts = [torch.randint(10, target.vocab_size, (96,), generator=generator).tolist() for _ in range(2)]
+    rows, outputs = {}, {}
+    for kind in step_kinds(device):
+        cfg = EngineConfig(target_core=None, draft_core=None, ngram_tokens=0, target_step=kind)
+        with MirrorEngine(target, None, None, cfg) as engine:
+            start = time.perf_counter()
+            gens = [engine.generate(p, 32, method="ar", stop=[]) for p in prompts]
+            first = time.perf_counter() - start  # graphs captured on the way
+            gens = [engine.generate(p, 32, method="ar", stop=[]) for p in prompts]
+            outputs[kind] = [g.tokens for g in gens]
+            token_ms = statistics.median(s.step_ms for g in gens for s in g.steps[1:])
+            cache = target.new_cache()
+            target.prefill(ids[:, :context], cache, 1)
+            by_width = {}
+            for w in widths:
+
+                def window(w=w, cache=cache):
+                    target.forward(ids[:, context : context + w], cache)
+                    Target.crop(cache, context)
+
+                by_width[w] = median_ms(window, repeats=20 if device.type == "cuda" else 3, warmup=2)
+            static = target.static
+            rows[kind] = {
+                "token_ms": token_ms,
+                "window_ms": by_width,
+                "first_generations_s": first,
+                "graphs_captured": static.captured if static is not None else 0,
+                "capture_s": static.capture_s if static is not None else 0.0,
+            }
+    kinds = list(rows)
+    same = sum(a == b for a, b in zip(outputs[kinds[0]], outputs[kinds[1]]))
+    token = " / ".join("{} {:.1f}".format(k, rows[k]["token_ms"]) for k in kinds)
+    eight = " / ".join("{} {:.2f}".format(k, rows[k]["window_ms"][8] / rows[k]["window_ms"][1]) for k in kinds)
+    detail = f"{label}: ar {token} ms a token; 8-row window / one-token {eight}; ar equal: {same} of {len(prompts)}"
+    return {"model": label, "context": context, "kinds": rows, "ar_equal_across_kinds": same}, detail
+
+
+def synthetic_check(device: torch.device, acceptances=(0.6, 0.7, 0.8, 0.9), target_step: str = "dynamic"):
     prompts, max_new = (4, 64) if device.type == "cuda" else (2, 24)  # on a CPU: that it runs, not a measurement
-    if device.type == "cuda":
-        shape, dtype, label = LLAMA3_8B, torch.bfloat16, "Llama-3-8B shape, bf16"
-    else:
-        shape = {
-            "vocab_size": 4096,
-            "hidden_size": 512,
-            "intermediate_size": 1536,
-            "num_hidden_layers": 8,
-            "num_attention_heads": 8,
-        }
-        dtype, label = torch.float32, "8 layers × 512, float32"
-    target = Target(llama_shaped(shape, device, dtype), None, name_or_path=f"random {label}")
+    target, label = realistic_target(device)
+    label = f"{label}, target_step={target_step}"
     generator = torch.Generator().manual_seed(0)
-    ids = [torch.randint(10, shape["vocab_size"], (96,), generator=generator).tolist() for _ in range(prompts)]
-    base = EngineConfig(target_core=None, draft_core=None, ngram_tokens=0, kappa=8, gamma=4, branch_budget=16)
+    ids = [torch.randint(10, target.vocab_size, (96,), generator=generator).tolist() for _ in range(prompts)]
+    base = EngineConfig(
+        target_core=None, draft_core=None, ngram_tokens=0, kappa=8, gamma=4, branch_budget=16, target_step=target_step
+    )
     with MirrorEngine(target, None, None, base) as engine:
         engine.generate(ids[0], 8, method="ar", stop=[])
         ar = [engine.generate(p, max_new, method="ar", stop=[]) for p in ids]
@@ -301,7 +369,7 @@ def main() -> int:
     ap.add_argument(
         "--skip",
         default="",
-        help="comma-separated parts to skip: recipes, placements, specbench, "
+        help="comma-separated parts to skip: recipes, placements, specbench, step, "
         "synthetic (placements and specbench need the recipes' artifacts)",
     )
     args = ap.parse_args()
@@ -332,15 +400,28 @@ def main() -> int:
             parts["specbench"] = check(
                 results, "specbench", lambda: specbench_check(device, target_dir, artifacts, work)
             )
+        if "step" not in skip:
+            parts["step"] = check(results, "step", lambda: step_check(device))
         if "synthetic" not in skip:
-            parts["synthetic"] = check(results, "synthetic", lambda: synthetic_check(device))
+            # on a GPU the graphs' table beside the growing cache's (on a CPU the static step is tested, not served)
+            for kind in step_kinds(device) if device.type == "cuda" else ["dynamic"]:
+                name = "synthetic" if kind == "dynamic" else f"synthetic_{kind}"
+                parts[name] = check(results, name, lambda kind=kind: synthetic_check(device, target_step=kind))
     total = time.perf_counter() - started
 
     print("\n| check | ok | seconds | detail |\n|---|---|---|---|")
     for r in results:
         print(f"| {r['check']} | {'yes' if r['ok'] else '**no**'} | {r['seconds']} | {r['detail']} |")
-    if parts.get("synthetic"):
-        syn = parts["synthetic"]
+    if parts.get("step"):
+        step = parts["step"]
+        print(f"\nThe target's step, random {step['model']}, after {step['context']} tokens (median ms):\n")
+        print("| step | ar ms a token | " + " | ".join(f"{w} rows" for w in step["kinds"]["dynamic"]["window_ms"]))
+        print("|---|---|" + "---|" * len(step["kinds"]["dynamic"]["window_ms"]))
+        for kind, row in step["kinds"].items():
+            cells = " | ".join(f"{ms:.2f}" for ms in row["window_ms"].values())
+            graphs = f"{row['graphs_captured']} graphs, {row['capture_s']:.1f} s"
+            print(f"| {kind} ({graphs}) | {row['token_ms']:.2f} | {cells} |")
+    for syn in (v for k, v in parts.items() if k.startswith("synthetic") and v):
         print(f"\nSynthetic draft on a random {syn['model']} target ({syn['token_ms']:.1f} ms a token), tokens/s:\n")
         print("| acceptance | ar | sd | mirror | mirror/ar | mirror/sd | accepted | overlap efficiency |")
         print("|---|---|---|---|---|---|---|---|")

@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from mirror_train import fastpath
+from mirror_train import fastpath, static_step
 from mirror_train.devices import draft_device, resolve_device, resolve_dtype
 from mirror_train.errors import MirrorTrainError
 from mirror_train.metrics import check_kappa
@@ -67,6 +67,13 @@ class EngineConfig:
     # oneDNN-prepacked linears on a CPU, else torch's path; installed on the target in place, so every method (the
     # transformers peers too) runs the same module.
     fast_path: Literal["auto", "exact", "onednn", "none"] = "auto"
+    # The target's step (static_step.py): "dynamic" = the KV cache that grows in place (on a CPU the C layers are the
+    # fast path); "graphs" = a KV cache of fixed capacity with each window width captured once as a CUDA graph and
+    # replayed (eager, a large model's step on a GPU is bound by the host launching its kernels: 25.8 ms a token for
+    # an 8B shape on an H200, docs/engine.md); "static" = that fixed-shape step run as it is, on any device (what the
+    # CPU tests check the graphs' path with). "auto" = "dynamic" until scripts/gpu_check.py has measured the graphs
+    # lossless and faster on a GPU (they were written without one to run on).
+    target_step: Literal["auto", "dynamic", "static", "graphs"] = "auto"
     # The draft's forward, and a proxy head's on the draft's side: "auto" = "fastest" (each linear shape by the rows
     # of a call on whichever of torch, oneDNN and the row-exact kernel measured fastest, the attention of a few
     # half-precision rows as grouped matmuls): they only propose, so their rounding never changes the output.
@@ -121,6 +128,11 @@ class EngineConfig:
             if core is not None and device.type == "cpu" and core not in cores:
                 raise MirrorTrainError(f"{name}={core} is not a core this process may use ({sorted(cores)})")
         resolve_dtype(self.draft_dtype, draft)
+        if self.target_step not in static_step.KINDS:
+            kinds = ", ".join(static_step.KINDS)
+            raise MirrorTrainError(f"target_step must be one of {kinds}, got {self.target_step!r}")
+        if self.target_step == "graphs" and target.type != "cuda":
+            raise MirrorTrainError(f"target_step=graphs needs a CUDA target; the target is on {target}")
         fastpath.resolve(self.fast_path, draft)
         fastpath.resolve(fastpath.for_draft(self.draft_fast_path), draft)
 

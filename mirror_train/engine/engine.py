@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from mirror_train import fastpath
+from mirror_train import fastpath, static_step
 from mirror_train.devices import clock, pinned, resolve_device
 from mirror_train.engine.acceptance import accept_forked, target_tokens, truncate
 from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDraft
@@ -94,6 +94,7 @@ class MirrorEngine:
                 stacklevel=2,
             )
         self.fast_path = fastpath.install(target.model, cfg.fast_path)
+        self.target_step = static_step.serve(target, cfg.target_step)
         self.head = bind_head(target, cfg, proxy_head)
         # Forked windows (both window sources' chains verified in one pass, forked_window.py) where a row costs
         # little and every row is exact: the row-exact kernels; not with a proxy head that caches window rows itself
