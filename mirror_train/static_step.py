@@ -34,8 +34,8 @@ MAX_GRAPH_ROWS = 32  # windows up to this many rows are captured (a verification
 MIN_CAPACITY = 1024  # positions a static cache holds at least; a longer sequence doubles it
 
 
-def resolve(kind: str, target) -> str:
-    """What `kind` (KINDS) means for `target`. "auto" is "dynamic" for now on every device: the graphs' path was
+def resolve(kind: str) -> str:
+    """What `kind` (KINDS) means. "auto" is "dynamic" for now on every device: the graphs' path was
     written without a GPU to run it on (twenty-second session) and becomes CUDA's default once scripts/gpu_check.py
     has measured it lossless and faster there; ask for "graphs" to use it before."""
     if kind not in KINDS:
@@ -46,7 +46,7 @@ def resolve(kind: str, target) -> str:
 def serve(target, kind: str) -> str:
     """Serve `target` with the step `kind` means for it (`resolve`); a target already served so keeps its static
     cache and graphs (another engine over the same target: Spec-Bench's methods). Returns the step chosen."""
-    step = resolve(kind, target)
+    step = resolve(kind)
     if step == "dynamic":
         target.static = None
     elif target.static is None or target.static.graphs != (step == "graphs"):

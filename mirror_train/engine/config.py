@@ -128,10 +128,7 @@ class EngineConfig:
             if core is not None and device.type == "cpu" and core not in cores:
                 raise MirrorTrainError(f"{name}={core} is not a core this process may use ({sorted(cores)})")
         resolve_dtype(self.draft_dtype, draft)
-        if self.target_step not in static_step.KINDS:
-            kinds = ", ".join(static_step.KINDS)
-            raise MirrorTrainError(f"target_step must be one of {kinds}, got {self.target_step!r}")
-        if self.target_step == "graphs" and target.type != "cuda":
+        if static_step.resolve(self.target_step) == "graphs" and target.type != "cuda":
             raise MirrorTrainError(f"target_step=graphs needs a CUDA target; the target is on {target}")
         fastpath.resolve(self.fast_path, draft)
         fastpath.resolve(fastpath.for_draft(self.draft_fast_path), draft)
