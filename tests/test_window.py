@@ -9,7 +9,6 @@ from mirror_train.engine.ngram import NgramIndex
 from mirror_train.engine.window import (
     Calibration,
     best_length,
-    depth_key,
     expected_committed,
     fit_costs,
     prob_key,
@@ -55,29 +54,6 @@ def test_calibration_learns_rates_by_key_and_shrinks_sparse_keys():
     a, b, c = cal.predict(["a", "b", "c"])
     assert a > 0.9 and b < 0.2 and c == pytest.approx(cal.overall())
     assert prob_key(0.0) == 0 and prob_key(0.55) == 5 and prob_key(1.0) == 9
-
-
-def test_a_copy_kept_all_or_little_is_calibrated_by_depth_and_verified_longer():
-    """Copies whose first token is kept 40% of the time and every later one 90% given its predecessors: keyed by
-    depth the calibration learns both rates and verifies the long window such copies pay for; one key for every
-    depth learns their pooled rate, which cuts the window short (rows at 9% of a step, as float32 on a Zen 4)."""
-    import random
-
-    rng = random.Random(0)
-    by_depth, pooled = Calibration(), Calibration()
-    for _ in range(400):
-        accepted = 0
-        while accepted < 12 and rng.random() < (0.4 if accepted == 0 else 0.9):
-            accepted += 1
-        by_depth.update([("ngram", depth_key(i)) for i in range(12)], accepted)
-        pooled.update([("ngram",)] * 12, accepted)
-    first, second, deep = by_depth.predict([("ngram", depth_key(i)) for i in (0, 1, 9)])
-    assert first == pytest.approx(0.4, abs=0.07) and second > 0.8 and deep > 0.8
-    cost = [1.0 + 0.09 * w for w in range(13)]
-    long = best_length(by_depth.predict([("ngram", depth_key(i)) for i in range(12)]), cost)[0]
-    short = best_length(pooled.predict([("ngram",)] * 12), cost)[0]
-    assert long >= 8 > short
-    assert [depth_key(i) for i in (0, 1, 2, 3, 4, 5, 7, 8, 30)] == [0, 1, 2, 3, 3, 4, 4, 5, 5]
 
 
 def test_fit_costs_is_relative_to_a_one_token_step():

@@ -42,7 +42,6 @@ from mirror_train.engine.window import (
     Calibration,
     best_fork,
     best_length,
-    depth_key,
     expected_committed,
     prob_key,
     rollout_plan,
@@ -428,17 +427,13 @@ class DraftServer:
         if self.ngram is not None:
             copy, n = self.ngram.propose(self.ngram_tokens, after=after or ())
             if copy:
-                agree = first == copy[0]
-                out.append((copy, [("ngram", min(n, 3), agree, depth_key(i)) for i in range(len(copy))], "ngram"))
+                out.append((copy, [("ngram", min(n, 3), first == copy[0])] * len(copy), "ngram"))
         if self.datastore is not None:
             context = self.tokens[-STORE_CONTEXT:] + list(after or ())
             tokens, evidence = self.datastore.propose(context, self.ngram_tokens or self.gamma)
             if tokens:
                 agree = first == tokens[0]
-                keys = [
-                    ("store", n, prob_key(share, STORE_SHARE_BINS), agree, depth_key(i))
-                    for i, (n, share) in enumerate(evidence)
-                ]
+                keys = [("store", n, prob_key(share, STORE_SHARE_BINS), agree) for n, share in evidence]
                 out.append((tokens, keys, "store"))
         return out
 

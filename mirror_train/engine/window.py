@@ -14,7 +14,6 @@ the two chains can be verified together as one forked window (`best_fork`, forke
 
 from __future__ import annotations
 
-import bisect
 import statistics
 from collections.abc import Sequence
 
@@ -116,20 +115,6 @@ class Calibration:
 def prob_key(p: float, bins: int = 10) -> int:
     """The bin of a probability: a model token's calibration key."""
     return min(int(p * bins), bins - 1)
-
-
-# A copied token's key also holds its depth in the copy: a copy is kept all or little, so whether its i-th token is
-# kept given the ones before it were rises with i. Over the target's answers to training prompts (5,651 proposals),
-# prompt lookup's first token was kept 41% of the time, its second given the first 71%, its 4th 84%, its 8th and on
-# ~90%; the datastore's 27%, 33%, 40%, 54%, 62%, ... (docs/engine.md, twenty-second session). One rate for every
-# depth overrated a copy's first tokens and underrated its later ones, so its windows were cut short.
-DEPTH_BUCKETS = (0, 1, 2, 3, 5, 8)
-
-
-def depth_key(i: int) -> int:
-    """The bucket of a copied token's depth i (0: the copy's first token) in its calibration key: the last
-    DEPTH_BUCKETS start ≤ i."""
-    return bisect.bisect_right(DEPTH_BUCKETS, i) - 1
 
 
 def fit_costs(samples: Sequence[tuple[int, float]], widths: int) -> tuple[list[float], float] | None:
