@@ -23,6 +23,7 @@ same one out again, reset; a sequence longer than it holds grows its buffers in 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -243,7 +244,18 @@ class StaticSteps:
         if not (graph and self.graphs) or key[1] > MAX_GRAPH_ROWS:
             return fn()
         if key not in self._runs:
-            self._runs[key] = self._capture(key, fn)
+            try:
+                self._runs[key] = self._capture(key, fn)
+            except RuntimeError as err:  # a capture this build or model cannot make: the same step, run as it is
+                warnings.warn(
+                    f"CUDA graph capture failed ({str(err).splitlines()[0] if str(err) else type(err).__name__}); "
+                    "the target's windows run without graphs from here",
+                    stacklevel=2,
+                )
+                self.graphs = False
+                self._runs.clear()
+                self._outputs.clear()
+                return fn()
         self._runs[key].replay()
         return self._outputs[key]
 

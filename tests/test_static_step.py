@@ -105,6 +105,24 @@ def test_windows_replayed_from_their_captures_serve_as_the_growing_cache(pair):
         torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
 
 
+def test_a_capture_that_fails_leaves_the_same_step_run_as_it_is(pair):
+    class Failing(ReplayedSteps):
+        def _capture(self, key, fn):
+            if key[0] == "suffix":
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return super()._capture(key, fn)
+
+    dynamic, _ = pair
+    target = tiny_target().use_static(graphs=False, capacity=16)
+    target.static = Failing(target, 16, graphs=False)
+    target.static.graphs = True
+    with pytest.warns(UserWarning, match="CUDA graph capture failed"):
+        got, _ = walk(target)
+    assert not target.static.graphs
+    for a, b in zip(walk(dynamic)[0], got, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
+
+
 def test_a_static_window_equals_its_rows_one_token_steps(pair):
     """The attention of each window row is the one-row call a one-token step makes (matmuls may round apart)."""
     _, static = pair
