@@ -23,6 +23,7 @@ same one out again, reset; a sequence longer than it holds grows its buffers in 
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -215,8 +216,8 @@ class StaticSteps:
         exit_hidden, x = self.prefix(input_ids, exit_layer, graph=False)
         if on_exit is not None:
             on_exit(exit_hidden)
-        logits, final = self.suffix(x, exit_layer)
-        return exit_hidden, logits[:, -1], final
+        final = self._final(x, exit_hidden, exit_layer)
+        return exit_hidden, self.target.logits(final[:, -1]), final  # the LM head on the last row alone
 
     def _state(self, hidden, positions, mask):
         from mirror_train.target import PrefixState
@@ -232,13 +233,18 @@ class StaticSteps:
         state = self._state(target.decoder.embed_tokens(x.ids), x.positions, x.mask)
         return target.run_layers(state, target.decoder.layers, range(exit_layer))
 
-    def _suffix(self, x: _Inputs, hidden: torch.Tensor, exit_layer: int):
+    def _final(self, x: _Inputs, hidden: torch.Tensor, exit_layer: int) -> torch.Tensor:
+        """Layers ℓe+1..N and the final norm over the window `x` from its ℓe states."""
         target = self.target
         self.cache.write = x.write
         state = self._state(hidden, x.positions, x.mask)
-        hidden = target.run_layers(state, target.decoder.layers, range(exit_layer, target.num_layers))
-        final = target.decoder.norm(hidden)
-        return target.logits(final), final
+        return target.decoder.norm(
+            target.run_layers(state, target.decoder.layers, range(exit_layer, target.num_layers))
+        )
+
+    def _suffix(self, x: _Inputs, hidden: torch.Tensor, exit_layer: int):
+        final = self._final(x, hidden, exit_layer)
+        return self.target.logits(final), final
 
     def _run(self, key: tuple, fn, graph: bool = True):
         if not (graph and self.graphs) or key[1] > MAX_GRAPH_ROWS:
@@ -262,8 +268,6 @@ class StaticSteps:
     def _capture(self, key: tuple, fn):
         """`fn` warmed up twice on a side stream, then captured (PyTorch's recipe). The warm-ups compute what the
         replay will: every input is this step's, and a pass writes the same rows to the same cache positions."""
-        import time
-
         start = time.perf_counter()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

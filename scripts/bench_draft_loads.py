@@ -18,28 +18,10 @@ import statistics
 import time
 
 import torch
+from bench_target import draft_step  # scripts/ is on the path of a script run from it
 
-from mirror_train import fastpath
 from mirror_train.devices import resolve_dtype
-from mirror_train.engine.rollout import keep_cache_path
-from mirror_train.models.draft_artifact import load_draft
 from mirror_train.target import Target
-
-
-def one_load(target: Target, path: str, dtype: torch.dtype, context: int):
-    draft = load_draft(path, target).requires_grad_(False).to(dtype)
-    fastpath.install(draft, fastpath.for_draft("auto"))
-    ids = torch.randint(0, target.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
-    cache = draft.new_cache()
-    with torch.no_grad():
-        draft(ids, cache=cache, num_streams=0, logits_index=torch.tensor([context - 1]))
-
-    def step():
-        with torch.no_grad():
-            draft.tree_forward([1], [-1], cache, num_streams=None, logits_index=torch.tensor([0]))
-        keep_cache_path(cache, context, [])
-
-    return draft, step
 
 
 def timed_pass(steps: list, rounds: int, flush: torch.Tensor | None) -> list[float]:
@@ -68,8 +50,7 @@ def main() -> None:
     torch.set_num_threads(1)
     target = Target.load(args.target)
     dtype = resolve_dtype(args.draft_dtype, torch.device("cpu"))
-    loads = [one_load(target, args.draft, dtype, args.context) for _ in range(args.loads)]
-    steps = [step for _, step in loads]
+    steps = [draft_step(target, args.draft, args.context, dtype) for _ in range(args.loads)]  # each a load
     flush = torch.zeros(args.flush * 2**18) if args.flush else None  # float32: 4 bytes an element
     for step in steps:
         step()

@@ -24,6 +24,7 @@ check failed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -269,26 +270,22 @@ def specbench_check(device: torch.device, target_dir: Path, artifacts, work: Pat
 
 
 # --- the target's step and the synthetic-draft table on a realistic-size target -----------------------------------
-_REALISTIC: dict = {}
-
-
+@functools.cache
 def realistic_target(device: torch.device) -> tuple[Target, str]:
     """A random Llama-3-8B shape in bf16 on CUDA (a small float32 one on a CPU: that it runs, not a measurement),
     made once for the step check and the synthetic table."""
-    if device not in _REALISTIC:
-        if device.type == "cuda":
-            shape, dtype, label = LLAMA3_8B, torch.bfloat16, "Llama-3-8B shape, bf16"
-        else:
-            shape = {
-                "vocab_size": 4096,
-                "hidden_size": 512,
-                "intermediate_size": 1536,
-                "num_hidden_layers": 8,
-                "num_attention_heads": 8,
-            }
-            dtype, label = torch.float32, "8 layers × 512, float32"
-        _REALISTIC[device] = Target(llama_shaped(shape, device, dtype), None, name_or_path=f"random {label}"), label
-    return _REALISTIC[device]
+    if device.type == "cuda":
+        shape, dtype, label = LLAMA3_8B, torch.bfloat16, "Llama-3-8B shape, bf16"
+    else:
+        shape = {
+            "vocab_size": 4096,
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+        }
+        dtype, label = torch.float32, "8 layers × 512, float32"
+    return Target(llama_shaped(shape, device, dtype), None, name_or_path=f"random {label}"), label
 
 
 def step_kinds(device: torch.device) -> list[str]:
