@@ -276,6 +276,30 @@ def test_the_drafts_look_ahead_serves_the_whole_window_branch(
                 assert engine.generate(prompt, MAX_NEW, method="mirror", stop=[]).tokens == ref
 
 
+def test_a_look_ahead_without_the_branch_rollout_that_did_not_pay(target, prompts, references, monkeypatch):
+    """The look-ahead paid for itself during the prefix but the branch rollout beside it did not (the contention
+    priced): nothing was rolled out, so the look-ahead's branch is left as drafted (it had indexed the empty rollout's
+    last entry, and the draft's process failed). Lossless, and the draft serves on."""
+    from mirror_train.engine.server import DraftServer
+
+    look_ahead = DraftServer._look_ahead
+
+    def short_look_ahead(self, prefix_ms):  # as a prefix with time for two passes only: a whole window is missing
+        look_ahead(self, prefix_ms)
+        if self.ahead is not None:
+            self.ahead = self.ahead._replace(tokens=self.ahead.tokens[:2], logprobs=self.ahead.logprobs[:2])
+
+    monkeypatch.setattr(DraftServer, "_look_ahead", short_look_ahead)
+    # the look-ahead pays, and the branch rollout only until it has been timed (its price needs a timing)
+    monkeypatch.setattr(DraftServer, "_pays", lambda self, hit, ms: self.ahead is None or len(self.samples) < 2)
+    cfg = EngineConfig(kappa=2, gamma=3, branch_budget=2, placement="local", copies="draft", **FIXED)
+    with MirrorEngine(target, None, SyntheticDraftConfig(acceptance=1.0, forward_ms=0, num_streams=0), cfg) as engine:
+        for prompt, ref in zip(prompts, references):
+            g = engine.generate(prompt, MAX_NEW, method="mirror", stop=[], reference=ref)
+            assert g.tokens == ref and engine.draft is not None
+        assert not any(s.branches for s in g.steps[4:])  # priced out
+
+
 @pytest.mark.parametrize(
     "kind,head_placement,candidate_vocab",
     [("lens", "target", 16), ("lens", "draft", None), ("mlp", "draft", 16), ("mlp", "target", None)],

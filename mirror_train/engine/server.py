@@ -253,7 +253,7 @@ class DraftServer:
             self.samples.append((len(branches), self.branch_ms * self.gamma / depth))  # in whole-window rollouts
         self.rolled = {(r, c): rollouts[i] for i, (r, c, _) in enumerate(chosen)}
         if ahead:
-            rest = rollouts[-1] if missing > 0 else None
+            rest = rollouts[-1] if missing > 0 and branches else None  # none rolled out where it did not pay
             self.rolled[(len(self.window), ahead[0])] = _joined(self.ahead, 1, rest, self.gamma)
         self.rolled_spine = pending if branches else 0  # nothing fed: the verdict falls back (κ = 1 edge cases)
         self.num_branches = len(chosen)
