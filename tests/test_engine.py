@@ -1018,6 +1018,22 @@ def test_the_draft_is_not_asked_before_it_should_have_prefilled_the_prompt(targe
             assert g.tokens == references[0] and not any(s.asked for s in g.steps), method
 
 
+def test_rate_driven_asks_are_priced_by_what_they_delivered(target, prompts, references):
+    """A draft whose model promises more than the copies is asked for its windows; each such ask is priced, once
+    the step that verified its window is done, by the tokens it committed over that step's time and the ask's wait
+    (`window.AskReturn`); explorations are not. The engine's promise then scales by it. Lossless throughout."""
+    draft = SyntheticDraftConfig(acceptance=0.9, forward_ms=0, num_streams=0)
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", copies="target")  # windows priced
+    with MirrorEngine(target, None, draft, cfg) as engine:
+        for method in ("sd", "mirror"):
+            for prompt, ref in zip(prompts, references):
+                g = engine.generate(prompt, MAX_NEW, method=method, stop=[], reference=ref)
+                assert g.tokens == ref, method
+        ledger = engine._ask_return
+        assert ledger.samples and all(r > 0 for _, r in ledger.samples)
+        assert 0 < ledger.factor() < math.inf
+
+
 def test_the_draft_is_told_of_the_engines_own_windows_in_batches(target, prompts, references):
     """Verdicts on windows the engine made itself reach the draft's process merged (`merge_verdicts`: committed
     tokens and states one after another, the steps counted), once CATCH_UP tokens are untold or with the next ask:

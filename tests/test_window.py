@@ -157,3 +157,21 @@ def test_the_draft_is_asked_where_its_model_promises_more_than_the_copy_or_is_du
     assert not ask_model(0.9, 0.0, 0, 8)  # no copy: a plain step's rate 1 is the bar
     assert ask_model(0.9, 1.2, 8, 8) and not ask_model(0.9, 1.2, 7, 8)  # due to explore after 8 skipped steps
     assert ask_model(float("inf"), 5.0, 0, 8)  # nothing measured yet: the model is asked
+
+
+def test_the_models_promise_is_scaled_by_what_its_asks_delivered():
+    """`AskReturn`: with nothing measured the promise is taken at its word; asks that realise 0.9 of a promised 1.3
+    scale it towards 0.9 / 1.3, shrunk by the prior's asks; only the last `window` asks count; a promise that is
+    not a finite positive rate (nothing measured on the draft's side yet) teaches nothing."""
+    from mirror_train.engine.window import AskReturn
+
+    ledger = AskReturn(window=8, prior=4.0)
+    assert ledger.factor() == 1.0
+    ledger.add(float("inf"), 0.5)
+    assert ledger.factor() == 1.0
+    for _ in range(8):
+        ledger.add(1.3, 0.9)
+    assert ledger.factor() == pytest.approx((8 * 0.9 + 4 * 1.3) / (12 * 1.3))
+    for _ in range(8):  # the old asks leave the window
+        ledger.add(1.2, 1.5)
+    assert ledger.factor() == pytest.approx((8 * 1.5 + 4 * 1.2) / (12 * 1.2)) and ledger.factor() > 1

@@ -60,7 +60,7 @@ from mirror_train.engine.messages import (
 )
 from mirror_train.engine.server import CATCH_UP
 from mirror_train.engine.setup import bind_head, check_datastore, datastore_path, draft_spec
-from mirror_train.engine.window import ask_model, fit_costs
+from mirror_train.engine.window import AskReturn, ask_model, fit_costs
 from mirror_train.errors import MirrorTrainError
 from mirror_train.forked_window import ForkedWindow
 from mirror_train.generation import encode_chat, stop_token_ids
@@ -139,6 +139,7 @@ class MirrorEngine:
         # window (its rate, E(w)/c(w) with its rollout's time), the steps it was not asked since, and how many such
         # steps it wants before it explores its model again (server.py `_serial_plan`)
         self._model_rate, self._skips, self._explore_in = math.inf, 0, 0
+        self._ask_return = AskReturn()  # what rate-driven asks delivered of the rate that triggered them
         self._draft_prefill_ms = 0.0  # the draft's prefill ms a prompt token, as its process last reported
         self._costs: tuple[list[float], float] | None = None  # relative cost by window length, one-token ms
         self._verify_samples: deque[tuple[int, float]] = deque(maxlen=64)  # (window length, target ms) per step
@@ -387,6 +388,12 @@ class MirrorEngine:
         out, seq.done = truncate(seq.new + drafted[:accepted] + [correction], seq.stops, seq.max_new_tokens)
         chunk, seq.new = out[len(seq.new) :], out
         self._verify_samples.append((len(rows) - 1, (t1 - t0 + t4 - t3) * 1e3))
+        if seq.asked_for is not None:  # this step verified the window of a rate-driven ask: what did it deliver?
+            (promised, ask_ms), seq.asked_for = seq.asked_for, None
+            one_step_ms = self._cost_fields()[1]
+            if one_step_ms:
+                spent = ((t1 - t0 + t4 - t3) * 1e3 + ask_ms) / one_step_ms
+                self._ask_return.add(promised, (1 + accepted) / spent)
         t5 = self._now()
         info, seq.window, seq.alt, seq.fork = {}, [], [], 0
         if (seq.channel is not None or seq.copier is not None) and not seq.done:
@@ -514,7 +521,8 @@ class MirrorEngine:
 
         With copies on the target's side (`seq.copier`), the engine's own copy server answers first, and the draft's
         process is asked for a window (else only told what was committed, `reply=False`) where its model promised
-        more than that copy in its last reply, or where it is due to explore its model again; of the two windows,
+        more than that copy in its last reply (the promise scaled by what such asks delivered, `window.AskReturn`),
+        or where it is due to explore its model again; of the two windows,
         the one that promises more. A server whose window was not the one verified is sent the committed tokens
         instead (it learns nothing from an offer the target never saw), in batches: once CATCH_UP tokens are untold
         (it catches up on no fewer at once), or with the next ask (`merge_verdicts`). `may_ask`: False where the
@@ -530,12 +538,14 @@ class MirrorEngine:
         seq.copier.send(replace(verdict, states=None, committed=None if seq.served == "copier" else committed))
         copy = seq.copier.recv()
         copy_rate = copy.info.get("rate", 1.0)
+        promised = self._model_rate * self._ask_return.factor()  # its promise, at what its asks delivered
         ask = (
             may_ask
             and seq.channel is not None
             and time.monotonic() >= seq.draft_free_s  # an ask before would queue behind its prefill
-            and ask_model(self._model_rate, copy_rate, self._skips, self._explore_in)
+            and ask_model(promised, copy_rate, self._skips, self._explore_in)
         )
+        driven, model_rate, start = ask and promised > max(copy_rate, 1.0), self._model_rate, self._now()
         reply = None
         if seq.channel is not None:
             told = replace(verdict, committed=None if seq.served == "draft" else committed, reply=ask)
@@ -546,6 +556,8 @@ class MirrorEngine:
                     told, seq.untold = merge_verdicts(seq.untold), []
             if told is not None and self._send(seq, told) and ask:
                 reply = self._note(self._receive(seq))
+                if reply is not None and driven:  # priced when the step that verifies its window is done
+                    seq.asked_for = (model_rate, (self._now() - start) * 1e3)
         self._skips = 0 if reply is not None else self._skips + 1
         if reply is not None and reply.info.get("rate", 0.0) >= copy_rate:
             seq.window, seq.alt, seq.fork = _window(reply)
@@ -661,6 +673,8 @@ class _Sequence:
     # asked before, the target would wait for the rest of that prefill (engine._next_window)
     draft_free_s: float = 0.0
     untold: list = field(default_factory=list)  # verdicts the draft's process is yet to be told (_next_window)
+    # a rate-driven ask whose window the next step verifies: (the rate it was asked at, its wait in ms)
+    asked_for: tuple[float, float] | None = None
 
 
 def _window(reply) -> tuple[list[int], list[int], int]:
