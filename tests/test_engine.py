@@ -1018,6 +1018,24 @@ def test_the_draft_is_not_asked_before_it_should_have_prefilled_the_prompt(targe
             assert g.tokens == references[0] and not any(s.asked for s in g.steps), method
 
 
+def test_an_ask_that_carries_the_untold_steps_counts_them_as_skipped(target, prompts, references):
+    """The draft's process counts the steps it was not asked for towards its next exploration (`explore_in`); the
+    steps told together with an ask (`merge_verdicts`) count too. They had not: the engine asked when its own count
+    said an exploration was due, the process found it was not, and the target waited for a reply without a model
+    window, several times before each exploration (docs/engine.md, twenty-third session). Every ask of a draft
+    that is not worth asking now rolls out its model."""
+    draft = SyntheticDraftConfig(acceptance=0.0, forward_ms=0, num_streams=0)  # never worth asking: explorations
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", copies="target")
+    with MirrorEngine(target, None, draft, cfg) as engine:
+        asks = []
+        for _ in range(4):
+            for prompt, ref in zip(prompts, references):
+                g = engine.generate(prompt, MAX_NEW, method="sd", stop=[], reference=ref)
+                assert g.tokens == ref
+                asks += [s for s in g.steps[1:] if s.asked]
+    assert asks and all(s.draft_forwards > 0 for s in asks)
+
+
 def test_rate_driven_asks_are_priced_by_what_they_delivered(target, prompts, references):
     """A draft whose model promises more than the copies is asked for its windows; each such ask is priced, once
     the step that verified its window is done, by the tokens it committed over that step's time and the ask's wait

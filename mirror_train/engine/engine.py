@@ -290,11 +290,14 @@ class MirrorEngine:
             seq.channel = self._copier(method) if method in COPY_METHODS else self.draft if method != "ar" else None
             if method in ("sd", "mirror") and cfg.copies == "target" and cfg.adaptive_window and cfg.ngram_tokens:
                 seq.copier = self._copier(method)
-            stats = self._prefill(seq)
-            yield seq.new, stats
-            while not seq.done:
-                chunk, stats = self._step(seq)
-                yield chunk, stats
+            try:
+                stats = self._prefill(seq)
+                yield seq.new, stats
+                while not seq.done:
+                    chunk, stats = self._step(seq)
+                    yield chunk, stats
+            finally:  # steps never told to the draft's process do not count towards its exploration (`_next_window`)
+                self._skips = max(0, self._skips - sum(v.steps for v in seq.untold))
 
     # --- one sequence: the prompt, then verification steps ------------------------------------------------------
     def _prefill(self, seq: _Sequence) -> StepStats:

@@ -301,8 +301,12 @@ class DraftServer:
             self.window_p = self.cands = None
         hit = None if alt_won or foreign or not msg.reply else self.rolled.get((accepted, correction))
         keep = self._end_branches(accepted)
+        # the steps told with this one (merge_verdicts) were served by the engine's own copies: skipped rollouts,
+        # whether or not this one asks (an ask that did not count them answered an exploration that was due with a
+        # skip, and the engine asked again a step or two later, several times before each exploration)
+        self.skipped += msg.steps - 1
         if not msg.reply:  # the engine serves the next window itself: book-keep, and catch up while it verifies
-            self.skipped += msg.steps  # a step the model was not worth asking for counts as a skipped rollout
+            self.skipped += 1  # a step the model was not worth asking for counts as a skipped rollout
             if keep is not None:
                 self._keep(keep)
             self.window, self.window_pairs, self.window_keys = [], None, []
