@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from step_cost import spread  # scripts/ is on the path of a script run from it
+
 import mirror_train.engine.engine as engine_module
 from mirror_train.devices import cpu_model
 from mirror_train.engine import EngineConfig, MirrorEngine
@@ -48,11 +50,6 @@ class Trusted(AskReturn):
 
     def factor(self) -> float:
         return 1.0
-
-
-def quartiles(values: list[float]) -> str:
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return f"{statistics.median(values):.3f} ({q[0]:.3f}–{q[2]:.3f})"
 
 
 def main() -> None:
@@ -82,7 +79,6 @@ def main() -> None:
                     rows[m].append(
                         {
                             "tokens": g.tokens,
-                            "steps": len(g.steps),
                             "tps": g.tokens_per_s,
                             "step_ms": sum(s.step_ms for s in steps) / max(len(steps), 1),
                             "target_ms": sum(s.prefix_ms + s.suffix_ms for s in steps) / max(len(steps), 1),
@@ -103,7 +99,7 @@ def main() -> None:
         got = rows[m]
 
         def ratio(key, got=got):
-            return quartiles([a[key] / b[key] for a, b in zip(got, base)])
+            return spread([a[key] / b[key] for a, b in zip(got, base)])
 
         steps = sum(r["n"] for r in got)
         print(

@@ -390,12 +390,13 @@ class MirrorEngine:
             Target.crop(seq.head_cache, seq.cached)
         out, seq.done = truncate(seq.new + drafted[:accepted] + [correction], seq.stops, seq.max_new_tokens)
         chunk, seq.new = out[len(seq.new) :], out
-        self._verify_samples.append((len(rows) - 1, (t1 - t0 + t4 - t3) * 1e3))
+        verify_ms = (t1 - t0 + t4 - t3) * 1e3  # the target's own forwards, the branch request aside
+        self._verify_samples.append((len(rows) - 1, verify_ms))
         if seq.asked_for is not None:  # this step verified the window of a rate-driven ask: what did it deliver?
             (promised, ask_ms), seq.asked_for = seq.asked_for, None
             one_step_ms = self._cost_fields()[1]
             if one_step_ms:
-                spent = ((t1 - t0 + t4 - t3) * 1e3 + ask_ms) / one_step_ms
+                spent = (verify_ms + ask_ms) / one_step_ms
                 self._ask_return.add(promised, (1 + accepted) / spent)
         t5 = self._now()
         info, seq.window, seq.alt, seq.fork = {}, [], [], 0
