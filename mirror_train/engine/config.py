@@ -88,12 +88,6 @@ class EngineConfig:
     # copies. A reply from the draft's process costs a step its round trip even when it brings a copy (~1.5 ms of a
     # ~20 ms step on two vCPUs, docs/engine.md), which "target" spares every step the model is not worth asking.
     copies: Literal["target", "draft"] = "target"
-    # Mirror-SD with copies on the target's side: the draft's process also rolls out branches while the target
-    # verifies the engine's own copy or a plain step (not only its own windows), where the copy on offer promises
-    # less than a model window made in advance would (`free_rate`); the verdict then asks it for the branch of the
-    # outcome, answered at once (no serial rollout while the target waits: `Verdict.fallback=False`), and the better
-    # of that window and the next copy is verified. Off: branches only hang off the draft's own windows.
-    branch_copies: bool = True
     # Mirror-SD: weigh what the draft's concurrent work (look-ahead, branch rollouts) costs the target against what
     # it saves. Two CPU cores share a memory bus: the draft's forward on one slowed the target's step on the other
     # 18% on an AMD EPYC (docs/engine.md). The slowdown is measured once, the target timed alone and beside the

@@ -139,7 +139,6 @@ class MirrorEngine:
         # window (its rate, E(w)/c(w) with its rollout's time), the steps it was not asked since, and how many such
         # steps it wants before it explores its model again (server.py `_serial_plan`)
         self._model_rate, self._skips, self._explore_in = math.inf, 0, 0
-        self._free_rate = math.inf  # its promise for a window rolled out in advance (Mirror-SD's branches)
         self._ask_return = AskReturn()  # what rate-driven asks delivered of the rate that triggered them
         self._draft_prefill_ms = 0.0  # the draft's prefill ms a prompt token, as its process last reported
         self._costs: tuple[list[float], float] | None = None  # relative cost by window length, one-token ms
@@ -363,21 +362,16 @@ class MirrorEngine:
         state = target.prefix(ids, seq.cache, self.exit_layer, forked=forked)
         t1 = t2 = t3 = self._now()
         asked = False
-        # an empty window too: branches for c* alone; for a window of the engine's own copies only where a model
-        # window made in advance would promise more than copies do (`_branch_copy`)
-        seq.branched = served != "draft" and self._branch_copy(seq)
-        if seq.method == "mirror" and seq.channel is not None and (served == "draft" or seq.branched):
-            if seq.branched and seq.untold:  # the draft's context must reach this window's first token
-                self._send(seq, merge_verdicts(seq.untold))
-                seq.untold = []
+        # an empty window too: branches for c* alone; not for a window of the engine's own copies (its branches
+        # would prepare model windows for a step that is not asking the model)
+        if seq.method == "mirror" and seq.channel is not None and served == "draft":
             exit_main = state.hidden[0, :main]
             exit_states = {"exit": exit_main} if "exit" in slots or cfg.head_placement == "draft" else None
             candidates = None
             if cfg.head_placement == "target":
                 candidates = Candidates(*head.window_candidates(exit_main, window, cfg.kappa, seq.head_cache))
             t2 = self._now()
-            foreign = list(window) if seq.branched else None
-            branches = Branches(self._suffix_ms, candidates, self._wire(exit_states), time.monotonic(), foreign)
+            branches = Branches(self._suffix_ms, candidates, self._wire(exit_states), time.monotonic())
             asked = self._send(seq, branches)
             t3 = self._now()
         logits, final = target.suffix_states(state)  # (1, γ+1, V), (1, γ+1, H)
@@ -557,22 +551,9 @@ class MirrorEngine:
         )
         driven, model_rate, start = ask and promised > max(copy_rate, 1.0), self._model_rate, self._now()
         reply = None
-        peek = seq.branched and seq.channel is not None and not ask
-        if peek:  # its branches hung off this window: the one for this outcome, if rolled out, at once
-            if self._send(seq, replace(verdict, committed=committed, reply=True, fallback=False)):
-                reply = self._note(self._receive(seq))
-            chosen = reply is not None and reply.info.get("rate", 0.0) >= copy_rate
-            # counted as the server counts it: skipped, unless the model's window is verified next
-            self._skips = 0 if chosen and reply.info.get("source") == "model" else self._skips + 1
-            if chosen:
-                seq.window, seq.alt, seq.fork = _window(reply)
-                seq.served, seq.rate = "draft", reply.info.get("rate", 1.0)
-                return reply.info | {"asked": True}
-        elif seq.channel is not None:
+        if seq.channel is not None:
             told = replace(verdict, committed=None if seq.served == "draft" else committed, reply=ask)
-            # a window it did not make: told in batches (merge_verdicts), unless its branches hung off it (then
-            # they are asked for, or forgotten, now)
-            if told.committed is not None and not seq.branched:
+            if told.committed is not None:  # a window it did not make: told in batches (merge_verdicts)
                 seq.untold.append(told)
                 told = None
                 if ask or sum(len(v.committed) for v in seq.untold) >= CATCH_UP:
@@ -581,13 +562,13 @@ class MirrorEngine:
                 reply = self._note(self._receive(seq))
                 if reply is not None and driven:  # priced when the step that verifies its window is done
                     seq.asked_for = (model_rate, (self._now() - start) * 1e3)
-            self._skips = 0 if reply is not None else self._skips + 1
-            if reply is not None and reply.info.get("rate", 0.0) >= copy_rate:
-                seq.window, seq.alt, seq.fork = _window(reply)
-                seq.served, seq.rate = "draft", reply.info.get("rate", 1.0)
-                return reply.info | {"asked": True}
+        self._skips = 0 if reply is not None else self._skips + 1
+        if reply is not None and reply.info.get("rate", 0.0) >= copy_rate:
+            seq.window, seq.alt, seq.fork = _window(reply)
+            seq.served = "draft"
+            return reply.info | {"asked": True}
         seq.window, seq.alt, seq.fork = _window(copy)
-        seq.served, seq.rate = "copier", copy_rate
+        seq.served = "copier"
         drafted = {} if reply is None else reply.info | {"asked": True, "reused": None}
         return drafted | {key: copy.info.get(key) for key in ("source", "alt_source", "rate")}
 
@@ -595,25 +576,9 @@ class MirrorEngine:
         """Keep what a reply of the draft's process promises for its next model window (`_next_window`)."""
         if reply is not None and "model_rate" in reply.info:
             self._model_rate, self._explore_in = reply.info["model_rate"], reply.info["explore_in"]
-            self._free_rate = reply.info.get("free_rate", self._free_rate)
         if reply is not None and reply.info.get("prefill_ms"):
             self._draft_prefill_ms = reply.info["prefill_ms"]
         return reply
-
-    def _branch_copy(self, seq: _Sequence) -> bool:
-        """Whether Mirror-SD's draft rolls out branches off the engine's own window this step (`branch_copies`):
-        where a model window made in advance promises more than the window being verified did (a copy's rate, a
-        plain step's 1) by its measured acceptance and costs, and the draft's process should be done with the prompt
-        (a request before queues behind it)."""
-        return (
-            self.config.branch_copies
-            and seq.method == "mirror"
-            and seq.channel is not None
-            and seq.copier is not None
-            and time.monotonic() >= seq.draft_free_s
-            and not math.isinf(self._free_rate)  # nothing measured yet: no promise to weigh
-            and self._free_rate * self._ask_return.factor() > seq.rate
-        )
 
     def _cost_fields(self) -> tuple[list[float] | None, float | None]:
         """(costs, step_ms) for the draft side: the target's relative verification cost by window length and its
@@ -712,8 +677,6 @@ class _Sequence:
     # asked before, the target would wait for the rest of that prefill (engine._next_window)
     draft_free_s: float = 0.0
     untold: list = field(default_factory=list)  # verdicts the draft's process is yet to be told (_next_window)
-    rate: float = 1.0  # what the window being verified promised (E(w)/c(w); a plain step's 1)
-    branched: bool = False  # this step's Mirror-SD branches hang off the engine's own window (branch_copies)
     # a rate-driven ask whose window the next step verifies: (the rate it was asked at, its wait in ms)
     asked_for: tuple[float, float] | None = None
 

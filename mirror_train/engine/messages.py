@@ -10,8 +10,7 @@ name ("exit": the target's layer-ℓe states, "final": its final states) to rows
                              the target finishes (the proxy head's candidates, or the ℓe states for a head here)
     Verdict     → Window     the target's verdict: commit; the next window (a rolled-out branch or a fallback);
                              no reply where the engine serves the next window itself (`reply=False`: copies on the
-                             target's side, `EngineConfig.copies`); with `fallback=False` the rolled-out branch or
-                             an empty window, at once
+                             target's side, `EngineConfig.copies`)
     Ping        → Pong       the channel's round trip
     Load        → Pong       run the draft's own work for a while (the engine times its target beside it: how
                              much the draft's work slows the target, `EngineConfig.price_contention`)
@@ -63,9 +62,6 @@ class Branches:
     # time.monotonic() when the target sent it (system-wide on one Linux machine): the draft's deadline runs from
     # then, so time spent queued behind the draft's previous work (a look-ahead that overran) comes off it
     sent_s: float | None = None
-    # The window being verified where it is not this server's (the engine's own copy, or [] for a plain step): the
-    # branches then hang off it, so that a model window is ready for the outcomes they cover (EngineConfig.branch_copies)
-    window: list[int] | None = None
 
 
 @dataclass
@@ -87,9 +83,6 @@ class Verdict:
     # source's, or none was verified: the prompt's first token): taken as committed, nothing learnt from them
     committed: list[int] | None = None
     reply: bool = True  # False: the engine serves the next window itself; book-keep, answer nothing
-    # False: answer at once, with the branch rolled out for this outcome if there is one, else with no window (the
-    # engine keeps its own copy); never a serial rollout while the target waits
-    fallback: bool = True
     steps: int = 1  # the verification steps it tells of (`merge_verdicts`: another source's, told together)
 
 

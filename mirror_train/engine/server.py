@@ -145,7 +145,6 @@ class DraftServer:
         self.contention = 0.0
         self.miss_ms: float | None = None
         self.ahead: Rollout | None = None  # the draft's own continuation past the window (look-ahead), this step
-        self.foreign_branches = False  # this step's branches hang off a window the engine made (Branches.window)
 
     @property
     def conditioned(self) -> bool:
@@ -187,7 +186,7 @@ class DraftServer:
             # its speed, for the engine not to ask before a prompt's prefill is done (engine._next_window)
             self.prefill_ms = (time.perf_counter() - start) * 1e3 / max(1, len(self.tokens))
         self.cached = len(self.tokens) - 1
-        self.rolled, self.rolled_spine, self.foreign_branches = {}, 0, False
+        self.rolled, self.rolled_spine = {}, 0
         self.window_p = self.cands = None  # a sequence that ended mid-step leaves no verdict to learn from
         self.window_keys = []
         if self.backend is not None and self.adaptive_budget and len({n for n, _ in self.samples}) < 2:
@@ -199,9 +198,6 @@ class DraftServer:
 
     def _branches(self, msg: Branches):
         start = time.perf_counter()
-        if msg.window is not None:  # the engine's own copy (or a plain step): the branches hang off it
-            self.window, self.window_pairs, self.window_keys, self.ahead = list(msg.window), None, [], None
-        self.foreign_branches = msg.window is not None
         # the rollout must be done when the verdict comes: plan for a share of the target's (noisy) suffix time
         deadline = None if msg.deadline_ms is None else msg.deadline_ms * DEADLINE_SHARE
         late = _queued_ms(msg.sent_s)
@@ -270,18 +266,11 @@ class DraftServer:
         alt_won = msg.alt_accepted is not None and msg.alt_accepted > accepted
         taken = int(msg.alt_accepted) if alt_won else accepted
         # another source's window was verified (or none: the prompt's first token): its tokens are committed, and
-        # this server's offer, which the target never saw, teaches nothing; where this step's branches hung off
-        # that window, the one for its outcome (the main chain's, if it won) is the next window on offer
-        foreign, branched = msg.committed is not None, self.foreign_branches
-        self.foreign_branches = False
-        hit = None
-        if msg.reply and not alt_won and (branched or not foreign):
-            hit = self.rolled.get((accepted, correction))
+        # this server's offer, which the target never saw, teaches nothing
+        foreign = msg.committed is not None
         if foreign:
             alt_won, taken = False, len(msg.committed) - 1
-            self.window_keys, self.alt_keys = [], []
-            if not branched:  # the proxy's view of that window came with its branches: else none to learn from
-                self.window_p = None
+            self.window_keys, self.alt_keys, self.window_p = [], [], None
         self.ahead = None
         if self.conditioned:  # the states of the newest committed token and of d_1..d_A become committed ones
             states = dict(msg.states or {})
@@ -310,6 +299,7 @@ class DraftServer:
             if not alt_won:
                 info["candidates"] = self.cands[accepted]
             self.window_p = self.cands = None
+        hit = None if alt_won or foreign or not msg.reply else self.rolled.get((accepted, correction))
         keep = self._end_branches(accepted)
         # the steps told with this one (merge_verdicts) were served by the engine's own copies: skipped rollouts,
         # whether or not this one asks (an ask that did not count them answered an exploration that was due with a
@@ -321,16 +311,6 @@ class DraftServer:
                 self._keep(keep)
             self.window, self.window_pairs, self.window_keys = [], None, []
             return None, self._catch_up
-        if not msg.fallback:  # the branch for this outcome as it is, or nothing: the target does not wait for more
-            self.skipped += 1  # a model window verified next resets it, as the engine's count (engine._next_window)
-            if hit is not None and hit.tokens and keep is not None:
-                reply = self._offer(hit, info | {"reused": True, "fallback_ms": 0.0})
-                return reply, self._then_look_ahead(keep, msg.prefix_ms)
-            if keep is not None:
-                self._keep(keep)
-            self.window, self.window_pairs, self.window_keys = [], None, []
-            self.alt, self.alt_keys, self.fork = [], [], 0
-            return Window([], self._promise(info | {"reused": False, "source": None, "rate": 0.0})), self._catch_up
         if keep is not None:
             upto = 0
             if hit is not None and len(hit.tokens) < self.gamma:
@@ -490,21 +470,10 @@ class DraftServer:
         self.unexplored = self.unexplored + 1 if offered and not self.window else 0
         alt_source = self.alt_source if self.alt else None
         info = info | {"source": source if self.window else None, "alt_source": alt_source, "rate": rate}
-        return Window(list(self.window), self._promise(info), list(self.alt), self.fork)
-
-    def _promise(self, info: dict) -> dict:
-        """A reply's info with what asking the model next step promises, for an engine serving copies itself: the
-        rate of a serial rollout (`model_rate`), of a window rolled out in advance at no wait (`free_rate`: Mirror-SD's
-        branches, EngineConfig.branch_copies), the skipped steps before the next exploration, the prefill's speed."""
-        if self.backend is None:
-            return info
-        rate = self._model_plan(0)[1]
-        free = rate
-        if not math.isinf(rate):
-            streams = getattr(self.backend, "num_streams", 0)
-            free = rollout_plan(self._model_acceptance(), self.costs, 0.0, 1 + streams, self.gamma)[1]
-        explore_in = max(0, self.explore_every - self.skipped)
-        return info | {"model_rate": rate, "free_rate": free, "explore_in": explore_in, "prefill_ms": self.prefill_ms}
+        if self.backend is not None:  # what asking the model next step promises, for an engine serving copies itself
+            info |= {"model_rate": self._model_plan(0)[1], "explore_in": max(0, self.explore_every - self.skipped)}
+            info["prefill_ms"] = self.prefill_ms  # ms a prompt token
+        return Window(list(self.window), info, list(self.alt), self.fork)
 
     def _fork(self, options: list, best: tuple) -> tuple[str, float] | None:
         """Two chains as one forked window, where that promises more committed tokens per unit of the target's time
