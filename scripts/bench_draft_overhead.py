@@ -16,6 +16,8 @@ time per step ÷ pld_store's, the target's own forward time per step (prefix + s
 step ÷ pld_store's, and speed ÷ pld_store's; the share of steps that asked the draft and the mean wait for the next
 window; and whether every answer equals ar's. Then, for mirror, why each ask happened: the model's last promised
 rate beat the copy on offer, or the draft was due to explore; and how often that rate beat a plain step's.
+`--methods` runs a subset, `--set KEY=VALUE` (repeatable) sets the engine's settings (EngineConfig), e.g.
+`--methods ar,pld_store,mirror --set shadow_explore=false` for one side of an A/B between runs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import statistics
 from step_cost import spread  # scripts/ is on the path of a script run from it
 
 import mirror_train.engine.engine as engine_module
+from mirror_train.config import load_config
 from mirror_train.devices import cpu_model
 from mirror_train.engine import EngineConfig, MirrorEngine
 from mirror_train.engine.window import AskReturn, ask_model
@@ -35,6 +38,7 @@ from mirror_train.target import Target
 
 ASKS: list[tuple] = []  # (model_rate, copy_rate, skipped, explore_in, asked) of every decision, while recording
 MODE = {"told": False, "record": False}
+METHODS = ("ar", "pld_store", "mirror", "mirror-trusted", "mirror-told", "sd")
 
 
 def _ask(model_rate: float, copy_rate: float, skipped: int, explore_in: int) -> bool:
@@ -59,14 +63,19 @@ def main() -> None:
     ap.add_argument("--per-category", type=int, default=2, help="Spec-Bench questions per task (turn 1)")
     ap.add_argument("--reps", type=int, default=2, help="passes over the questions")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)}")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an EngineConfig setting")
     args = ap.parse_args()
+    methods = args.methods.split(",")
+    if not {"ar", "pld_store"} <= set(methods) or not set(methods) <= set(METHODS):
+        ap.error(f"--methods: a subset of {','.join(METHODS)} with ar and pld_store (the references)")
+    config = load_config(EngineConfig, None, args.set)
 
     engine_module.ask_model = _ask  # the engine reads it from its own module
     target = Target.load("testbed")
     questions = load_questions(default_specbench_file(), None, args.per_category)
-    methods = ["ar", "pld_store", "mirror", "mirror-trusted", "mirror-told", "sd"]
     rows: dict[str, list] = {m: [] for m in methods}
-    with MirrorEngine(target, args.proxy_head, args.draft, EngineConfig()).start() as engine:
+    with MirrorEngine(target, args.proxy_head, args.draft, config).start() as engine:
         ledgers = {"priced": engine._ask_return, "trusted": Trusted()}
         engine.generate(questions[0].messages(), 8, method="mirror")  # warm-up: kernels, calibration, channel
         for rep in range(args.reps):
@@ -84,6 +93,7 @@ def main() -> None:
                             "target_ms": sum(s.prefix_ms + s.suffix_ms for s in steps) / max(len(steps), 1),
                             "per_step": len(g.tokens) / len(g.steps),
                             "asked": sum(s.asked for s in steps),
+                            "model": sum(s.source == "model" for s in steps),
                             "wait_ms": sum(s.wait_ms for s in steps),
                             "n": len(steps),
                         }
@@ -91,10 +101,10 @@ def main() -> None:
     base, ref = rows["pld_store"], rows["ar"]
     print(f"\n{len(questions)} questions × {args.reps} × ≤ {args.max_new_tokens} tokens, {cpu_model()}\n")
     print(
-        "| method | step time ÷ pld_store | target's forwards ÷ | tokens a step ÷ | speed ÷ | asked | wait ms "
-        "| lossless |"
+        "| method | step time ÷ pld_store | target's forwards ÷ | tokens a step ÷ | speed ÷ | asked | model windows "
+        "| wait ms | lossless |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for m in methods:
         got = rows[m]
 
@@ -104,7 +114,8 @@ def main() -> None:
         steps = sum(r["n"] for r in got)
         print(
             f"| {m} | {ratio('step_ms')} | {ratio('target_ms')} | {ratio('per_step')} | {ratio('tps')} | "
-            f"{sum(r['asked'] for r in got) / steps:.3f} | {sum(r['wait_ms'] for r in got) / steps:.2f} | "
+            f"{sum(r['asked'] for r in got) / steps:.3f} | {sum(r['model'] for r in got) / steps:.3f} | "
+            f"{sum(r['wait_ms'] for r in got) / steps:.2f} | "
             f"{all(a['tokens'] == b['tokens'] for a, b in zip(got, ref))} |"
         )
     print(

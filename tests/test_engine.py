@@ -1023,9 +1023,10 @@ def test_an_ask_that_carries_the_untold_steps_counts_them_as_skipped(target, pro
     steps told together with an ask (`merge_verdicts`) count too. They had not: the engine asked when its own count
     said an exploration was due, the process found it was not, and the target waited for a reply without a model
     window, several times before each exploration (docs/engine.md, twenty-third session). Every ask of a draft
-    that is not worth asking now rolls out its model."""
+    that is not worth asking now rolls out its model (where explorations roll out: not measured off the target's
+    path)."""
     draft = SyntheticDraftConfig(acceptance=0.0, forward_ms=0, num_streams=0)  # never worth asking: explorations
-    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", copies="target")
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", copies="target", shadow_explore=False)
     with MirrorEngine(target, None, draft, cfg) as engine:
         asks = []
         for _ in range(4):
@@ -1034,6 +1035,47 @@ def test_an_ask_that_carries_the_untold_steps_counts_them_as_skipped(target, pro
                 assert g.tokens == ref
                 asks += [s for s in g.steps[1:] if s.asked]
     assert asks and all(s.draft_forwards > 0 for s in asks)
+
+
+def test_a_draft_measured_off_the_targets_path_explores_without_rolling_out(target, prompts, references):
+    """With shadow_explore (the default) the draft's process reads its own prediction at every committed token it
+    catches up on, which scales the acceptance its windows measured; a due exploration then rolls out nothing while
+    the target waits. A draft that is never right: its guesses on the committed tokens are all wrong,
+    the asks after the first generation (while nothing was measured, its promise was taken at its word) roll out
+    nothing, and the output is the target's."""
+    draft = SyntheticDraftConfig(acceptance=0.0, forward_ms=0, num_streams=0)
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", copies="target")
+    assert cfg.shadow_explore
+    with MirrorEngine(target, None, draft, cfg) as engine:
+        asks = []
+        for _ in range(4):
+            for prompt, ref in zip(prompts, references):
+                g = engine.generate(prompt, MAX_NEW, method="sd", stop=[], reference=ref)
+                assert g.tokens == ref
+                asks.append([s for s in g.steps[1:] if s.asked])
+        server = engine.draft.server
+        assert server.shadow_seen > 4 * len(prompts) and server.shadow_kept == 0  # measured on committed tokens
+        assert server._model_acceptance() < 0.25  # its windows' verdicts in the first generation
+    later = [s for steps in asks[1:] for s in steps]
+    assert later and all(s.draft_forwards == 0 for s in later)
+
+
+def test_the_guesses_on_committed_tokens_scale_the_windows_acceptance():
+    """`_model_acceptance`: the rate the model's windows were kept at, times how its guesses on the latest committed
+    tokens compare with all its guesses; unscaled before SHADOW_MIN guesses."""
+    from mirror_train.engine.server import SHADOW_MIN, DraftServer
+
+    server = DraftServer(None, shadow=True)
+    server.calibration.update([("model", 5)] * 10, 4)  # 4 of 5 observed kept
+    base = server._model_acceptance()
+    server.shadow_recent.extend([1] * (SHADOW_MIN - 1))
+    server.shadow_kept, server.shadow_seen = 50, 100
+    assert server._model_acceptance() == base
+    server.shadow_recent.extend([1] * 7 + [0])  # 14 of 15 right lately, half of all
+    assert server._model_acceptance() == pytest.approx(min(0.99, base * (14 / 15) / 0.5))
+    server.shadow_recent.clear()
+    server.shadow_recent.extend([0] * 30 + [1] * 2)
+    assert server._model_acceptance() == pytest.approx(base * (2 / 32) / 0.5)
 
 
 def test_rate_driven_asks_are_priced_by_what_they_delivered(target, prompts, references):
