@@ -1023,64 +1023,17 @@ def test_an_ask_that_carries_the_untold_steps_counts_them_as_skipped(target, pro
     steps told together with an ask (`merge_verdicts`) count too. They had not: the engine asked when its own count
     said an exploration was due, the process found it was not, and the target waited for a reply without a model
     window, several times before each exploration (docs/engine.md, twenty-third session). Every ask of a draft
-    that is not worth asking now rolls out its model (where explorations roll out: not measured off the target's
-    path)."""
+    that is not worth asking now rolls out its model."""
     draft = SyntheticDraftConfig(acceptance=0.0, forward_ms=0, num_streams=0)  # never worth asking: explorations
-    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", copies="target", shadow_explore=False)
-    with MirrorEngine(target, None, draft, cfg) as engine:
-        asks = [s for steps in _asks_by_generation(engine, prompts, references) for s in steps]
-    assert asks and all(s.draft_forwards > 0 for s in asks)
-
-
-def _asks_by_generation(engine, prompts, references, rounds: int = 4) -> list[list]:
-    """sd over the prompts `rounds` times, each output checked against the target's: the steps that asked the draft's
-    process, per generation."""
-    asks = []
-    for _ in range(rounds):
-        for prompt, ref in zip(prompts, references):
-            g = engine.generate(prompt, MAX_NEW, method="sd", stop=[], reference=ref)
-            assert g.tokens == ref
-            asks.append([s for s in g.steps[1:] if s.asked])
-    return asks
-
-
-def test_a_draft_measured_off_the_targets_path_explores_without_rolling_out(target, prompts, references):
-    """With shadow_explore (the default) the draft's process reads its own guess at every committed token it catches
-    up on; a due exploration where those guesses were right no more often than usual rolls out nothing while the
-    target waits. A draft that is never right: its guesses on the committed tokens are all wrong,
-    most asks after the first generation (while nothing was measured, its promise was taken at its word) roll out
-    nothing, and the output is the target's."""
-    draft = SyntheticDraftConfig(acceptance=0.0, forward_ms=0, num_streams=0)
     cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", copies="target")
-    assert cfg.shadow_explore
     with MirrorEngine(target, None, draft, cfg) as engine:
-        asks = _asks_by_generation(engine, prompts, references)
-        server = engine.draft.server
-        right, seen = server.shadow_all
-        assert seen > 4 * len(prompts) and right == 0  # measured on the committed tokens
-    # an ask that rolls out nothing is a spared exploration (with shadow_explore off every ask rolls out, the test
-    # above); a rate-driven ask still rolls out, where the measured step costs make the promise beat the copy
-    spared = [s for steps in asks[1:] for s in steps if s.draft_forwards == 0]
-    rolled = [s for steps in asks[1:] for s in steps if s.draft_forwards > 0]
-    assert spared and len(spared) >= len(rolled)
-
-
-def test_an_exploration_is_spared_unless_the_models_guesses_improved():
-    """`_explore_unneeded`: with SHADOW_MIN guesses on committed tokens since the last exploration, right no more often
-    than all its guesses so far; never without shadow_explore."""
-    from mirror_train.engine.server import SHADOW_MIN, DraftServer
-
-    server = DraftServer(None, shadow=True)
-    server.shadow_all = [40, 100]
-    server.shadow_since = [3, SHADOW_MIN - 1]
-    assert not server._explore_unneeded()  # too few since
-    server.shadow_since = [4, 10]
-    assert server._explore_unneeded()  # 40%: no better than usual
-    server.shadow_since = [6, 10]
-    assert not server._explore_unneeded()  # better lately: look again
-    server.shadow = False
-    server.shadow_since = [0, 10]
-    assert not server._explore_unneeded()
+        asks = []
+        for _ in range(4):
+            for prompt, ref in zip(prompts, references):
+                g = engine.generate(prompt, MAX_NEW, method="sd", stop=[], reference=ref)
+                assert g.tokens == ref
+                asks += [s for s in g.steps[1:] if s.asked]
+    assert asks and all(s.draft_forwards > 0 for s in asks)
 
 
 def test_rate_driven_asks_are_priced_by_what_they_delivered(target, prompts, references):

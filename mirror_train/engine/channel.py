@@ -42,8 +42,8 @@ class DraftUnavailable(Exception):
 def build_server(spec: dict):
     """A DraftServer from a picklable spec: {"kind": "model", "path", "device", "use_streams"} or
     {"kind": "synthetic", "config": SyntheticDraftConfig fields, "vocab_size"}, plus "branch_budget",
-    "adaptive_budget", "kappa", "dtype" (of the draft and the head here), "head" (the path of a proxy-head
-    bundle when the head runs on this side) and "shadow" (EngineConfig.shadow_explore)."""
+    "adaptive_budget", "kappa", "dtype" (of the draft and the head here) and "head" (the path of a proxy-head
+    bundle when the head runs on this side)."""
     dtype = getattr(torch, spec.get("dtype", "float32"))
     if spec["kind"] == "ngram":  # prompt lookup alone: no model
         backend = None
@@ -71,7 +71,6 @@ def build_server(spec: dict):
         spec.get("adaptive_window", False),
         spec.get("device", "cpu"),
         store,
-        spec.get("shadow", False),
     )
 
 

@@ -88,12 +88,6 @@ class EngineConfig:
     # copies. A reply from the draft's process costs a step its round trip even when it brings a copy (~1.5 ms of a
     # ~20 ms step on two vCPUs, docs/engine.md), which "target" spares every step the model is not worth asking.
     copies: Literal["target", "draft"] = "target"
-    # The draft watched off the target's path: when its process catches up on committed tokens it did not draft
-    # (server.py `_catch_up`), it reads its own next-token guess at each of them (the LM head on those rows). A due
-    # exploration (a serial rollout the target waits for, to measure the model again) is spared where those guesses
-    # were right no more often than usual (`_explore_unneeded`): on Zen 4 nearly every exploration had confirmed that
-    # the model was not worth asking (docs/engine.md, twenty-fourth session).
-    shadow_explore: bool = True
     # Mirror-SD: weigh what the draft's concurrent work (look-ahead, branch rollouts) costs the target against what
     # it saves. Two CPU cores share a memory bus: the draft's forward on one slowed the target's step on the other
     # 18% on an AMD EPYC (docs/engine.md). The slowdown is measured once, the target timed alone and beside the

@@ -69,9 +69,6 @@ STORE_CONTEXT = 8  # the committed tokens a datastore proposal reads (its n-gram
 # Of the target's measured suffix time, the share the branch rollout plans to fill: with all of it, 10–20% of steps
 # overran it on the 2-core testbed (the suffix and the rollout time both vary by ~10% step to step; docs/engine.md)
 DEADLINE_SHARE = 0.85
-# Committed tokens the model must have guessed at (`_catch_up`, EngineConfig.shadow_explore) since the last
-# exploration for a due one to be spared on their evidence: one catch-up's worth
-SHADOW_MIN = CATCH_UP
 
 
 class DraftServer:
@@ -92,7 +89,6 @@ class DraftServer:
         adaptive_window: bool = False,
         device: str | torch.device = "cpu",
         datastore: Datastore | None = None,
-        shadow: bool = False,
     ):
         self.backend = backend
         self.datastore = datastore  # the target's own answers as a second copy source (datastore.py)
@@ -104,11 +100,6 @@ class DraftServer:
         self.costs: list[float] = []  # the target's relative verification cost by window length (from the engine)
         self.step_ms: float | None = None  # the target's one-token step (from the engine)
         self.skipped = 0  # serial rollouts skipped since the last model window verified (`_serial_plan`)
-        # The model measured on the committed tokens it catches up on (`_catch_up`): its next-token guesses there,
-        # right and all, since the last exploration and overall (`_serial_plan`)
-        self.shadow = shadow
-        self.shadow_since = [0, 0]
-        self.shadow_all = [0, 0]
         self.explore_every = EXPLORE  # the skips before a serial rollout is explored anyway (EXPLORE_MAX)
         self.prefill_ms = 0.0  # the last prompt's prefill, ms a token (reported with each window)
         self.unexplored = 0  # windows cut to nothing in a row while a source had tokens (`_offer`)
@@ -392,9 +383,7 @@ class DraftServer:
         if not drafted and self.skipped >= self.explore_every:
             self.skipped = 0
             self.explore_every = min(EXPLORE_MAX, 2 * self.explore_every)
-            unneeded, self.shadow_since = self._explore_unneeded(), [0, 0]
-            if not unneeded:  # one pass, while the target waits
-                return min(self.gamma, 1 + getattr(self.backend, "num_streams", 0))
+            return min(self.gamma, 1 + getattr(self.backend, "num_streams", 0))
         if rate > self._alternative_rate():
             self.skipped, self.explore_every = 0, EXPLORE
             return n
@@ -565,19 +554,8 @@ class DraftServer:
             return
         committed = self.tokens[self.cached :]
         features = self._committed(self.cached, pending) if self.conditioned else None
-        if not self.shadow:
-            self.backend.rollout(committed, [(pending - 1, None)], 1, features)  # one pass: K/V, one row's logits
-            self._keep(pending - 1)
-            return
-        # one pass, the LM head on every row: the model's next token after each committed one, against the token
-        # committed there, is what a window's first token would have been (the same context, the same states)
-        rolled = self.backend.rollout(committed, [(i, None) for i in range(pending)], 1, features)
+        self.backend.rollout(committed, [(pending - 1, None)], 1, features)  # one pass: K/V, one row's logits
         self._keep(pending - 1)
-        for i, guess in enumerate(rolled[:-1]):
-            right = int(bool(guess.tokens) and guess.tokens[0] == committed[i + 1])
-            for tally in (self.shadow_since, self.shadow_all):
-                tally[0] += right
-                tally[1] += 1
 
     def _look_ahead(self, prefix_ms: float | None) -> None:
         """Draft on past the window while the target runs its prefix (the draft would idle until the branch request):
@@ -610,16 +588,6 @@ class DraftServer:
     def _model_acceptance(self) -> float:
         """The model's mean per-token acceptance so far (its calibration over every probability bin)."""
         return self.calibration.overall(lambda k: k[0] == "model")
-
-    def _explore_unneeded(self) -> bool:
-        """Whether a due exploration may roll out nothing (EngineConfig.shadow_explore): the model's guesses on the
-        committed tokens since the last one (`_catch_up`; SHADOW_MIN at least) were right no more often than all its
-        guesses so far, so the text gives no sign that it would now fare better than its windows measured. Those
-        guesses are a window's first token only, kept more often than a window's later tokens, and likelier right
-        where the text copies itself (where the copies win anyway): as a rate they overpromised (docs/engine.md,
-        twenty-fourth session), as a sign of change they decide only whether to look again."""
-        (right, seen), (all_right, all_seen) = self.shadow_since, self.shadow_all
-        return self.shadow and seen >= SHADOW_MIN and right * all_seen <= all_right * seen
 
     def _alternative_rate(self) -> float:
         """The rate of what a step verifies when the model has no window: the copy on offer, else a plain step's 1."""

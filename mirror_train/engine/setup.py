@@ -61,7 +61,6 @@ def draft_spec(target: Target, cfg: EngineConfig, draft, head: ProxyHead, workdi
         "ngram_tokens": cfg.ngram_tokens,
         "adaptive_window": cfg.adaptive_window,
         "fast_path": fastpath.for_draft(cfg.draft_fast_path),
-        "shadow": cfg.shadow_explore,
     }
     if cfg.head_placement == "draft":
         common["head"] = head_bundle(head, workdir)
