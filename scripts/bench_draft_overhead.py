@@ -17,7 +17,7 @@ step ÷ pld_store's, and speed ÷ pld_store's; the share of steps that asked the
 window; and whether every answer equals ar's. Then, for mirror, why each ask happened: the model's last promised
 rate beat the copy on offer, or the draft was due to explore; and how often that rate beat a plain step's.
 `--methods` runs a subset, `--set KEY=VALUE` (repeatable) sets the engine's settings (EngineConfig), e.g.
-`--methods ar,pld_store,mirror --set shadow_explore=false` for one side of an A/B between runs.
+`--methods ar,pld_store,mirror --set look_ahead=false` for one side of an A/B between runs.
 """
 
 from __future__ import annotations
