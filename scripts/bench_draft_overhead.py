@@ -32,6 +32,7 @@ from mirror_train.config import load_config
 from mirror_train.devices import cpu_model
 from mirror_train.engine import EngineConfig, MirrorEngine
 from mirror_train.engine.window import AskReturn, ask_model
+from mirror_train.errors import MirrorTrainError
 from mirror_train.eval.questions import load_questions
 from mirror_train.prompts import default_specbench_file
 from mirror_train.target import Target
@@ -69,7 +70,10 @@ def main() -> None:
     methods = args.methods.split(",")
     if not {"ar", "pld_store"} <= set(methods) or not set(methods) <= set(METHODS):
         ap.error(f"--methods: a subset of {','.join(METHODS)} with ar and pld_store (the references)")
-    config = load_config(EngineConfig, None, args.set)
+    try:
+        config = load_config(EngineConfig, None, args.set)
+    except MirrorTrainError as e:
+        ap.error(f"--set: {e}")
 
     engine_module.ask_model = _ask  # the engine reads it from its own module
     target = Target.load("testbed")
