@@ -392,11 +392,12 @@ class MirrorEngine:
         chunk, seq.new = out[len(seq.new) :], out
         verify_ms = (t1 - t0 + t4 - t3) * 1e3  # the target's own forwards, the branch request aside
         self._verify_samples.append((len(rows) - 1, verify_ms))
+        # with this step's sample, once: the ask's pricing and the verdict read them (ar tells no one: not fitted)
+        costs, step_ms = self._cost_fields() if seq.channel is not None or seq.copier is not None else (None, None)
         if seq.asked_for is not None:  # this step verified the window of a rate-driven ask: what did it deliver?
             (promised, ask_ms), seq.asked_for = seq.asked_for, None
-            one_step_ms = self._cost_fields()[1]
-            if one_step_ms:
-                spent = (verify_ms + ask_ms) / one_step_ms
+            if step_ms:
+                spent = (verify_ms + ask_ms) / step_ms
                 self._ask_return.add(promised, (1 + accepted) / spent)
         t5 = self._now()
         info, seq.window, seq.alt, seq.fork = {}, [], [], 0
@@ -405,7 +406,6 @@ class MirrorEngine:
             # the committed positions' states the draft reads and has not had: ℓe ones unless a Branches brought
             # them (the main chain's), final ones always
             sent = {slot: committed[slot] for slot in slots if slot == "final" or not asked or alt_won}
-            costs, step_ms = self._cost_fields()
             verdict = Verdict(
                 main_accepted, correction, self._wire(sent), self._prefix_ms, costs, step_ms, alt_accepted
             )
