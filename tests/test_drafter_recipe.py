@@ -375,3 +375,48 @@ def test_the_shipped_configs_share_one_data_set():
     assert exit_layer == proxy.head.exit_layer
     needed = {exit_layer, 30} if "final" in cfg.model.feature_slots else {exit_layer}
     assert needed | set(cfg.data.extra_layers) == {proxy.head.exit_layer, *proxy.data.extra_layers}
+
+
+def test_prompt_lookup_hits_follow_the_engines_own_lookup():
+    from mirror_train.data.copy_hits import prompt_lookup_hits
+    from mirror_train.engine.ngram import NgramIndex
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        tokens, labels = rng.integers(0, 5, 30).tolist(), rng.integers(0, 5, 30).tolist()
+        hits = prompt_lookup_hits(tokens, labels)
+        for t in range(30):
+            index = NgramIndex()
+            index.reset(tokens[: t + 1])
+            copy, _ = index.propose(1)
+            assert hits[t] == (bool(copy) and copy[0] == labels[t])
+
+
+@pytest.mark.parametrize("copied_weight", [0.0, 0.25])
+def test_copied_weight_weighs_the_positions_prompt_lookup_already_has(copied_weight):
+    torch.manual_seed(1)
+    T = 5
+    logits = torch.randn(1, T, 4)
+    tokens = torch.tensor([[1, 2, 1, 2, 1]])
+    # prompt lookup proposes 2 at t = 2 (after "1", seen at 0) and 1 at t = 3 (after "1 2"): labels 2 and 1 there
+    topk_ids = torch.tensor([[[3, 0], [0, 1], [2, 0], [1, 2], [0, 3]]])
+    topk_logp = -torch.rand(1, T, 2) * 3
+    batch = {"token_ids": tokens, "mask": torch.ones(1, T, dtype=torch.long), "topk_ids": topk_ids}
+    batch |= {"topk_logp": topk_logp, "hidden": torch.zeros(1, T, 8)}
+    cfg = DrafterTrainConfig(kl_weight=1.0, ce_weight=0.0, stream_weight=0.0, copied_weight=copied_weight)
+    draft = FixedDraft(logits, torch.randn(1, T, 1, 4), torch.arange(4), vocab_size=4)
+    loss, _ = drafter_loss(draft, batch, cfg)
+    kls = []
+    for t in range(T):
+        main = _log_softmax(logits[0, t].tolist())
+        lps = topk_logp[0, t].tolist()
+        z = math.log(sum(math.exp(lp) for lp in lps))
+        kls.append(sum(math.exp(lp - z) * ((lp - z) - main[i]) for i, lp in zip(topk_ids[0, t].tolist(), lps)))
+    weights = [1.0, 1.0, copied_weight, copied_weight, 1.0]
+    assert loss.item() == pytest.approx(sum(w * k for w, k in zip(weights, kls)) / sum(weights), rel=1e-5)
+
+
+@pytest.mark.parametrize("weight", [-0.1, 1.5])
+def test_copied_weight_out_of_range_is_refused(weight):
+    with pytest.raises(MirrorTrainError, match="copied_weight"):
+        DrafterTrainConfig(copied_weight=weight).validate()
