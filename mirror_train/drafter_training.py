@@ -37,7 +37,6 @@ import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from mirror_train.data.copy_hits import packed_copy_hits
 from mirror_train.data.features import FeatureCache, pack_rows
 from mirror_train.data.pipeline import DataConfig, cached_layers, feature_dirs
 from mirror_train.data.selfdistill import answer_sequences, load_selfdistill
@@ -106,9 +105,6 @@ class DrafterTrainConfig(TrainConfig):
     ttt_steps: int = 0  # training-time test (module docstring): rollout steps trained past the true context; 0 = off
     ttt_decay: float = 0.8  # step k's loss weight is ttt_decay^k (EAGLE-3's)
     ttt_window_states: bool = True  # the first m ~ U{0..K} steps also read the ℓe state, as a Mirror-SD window does
-    # the main stream's weight at positions whose next token prompt lookup already proposes (data/copy_hits.py): the
-    # engine copies those at no cost, so a draft asked beside the copies pays only where they miss; 1.0 = off
-    copied_weight: float = 1.0
 
     def validate(self) -> None:
         super().validate()
@@ -116,8 +112,6 @@ class DrafterTrainConfig(TrainConfig):
             raise MirrorTrainError("train: loss weights must be ≥ 0, and kl_weight or ce_weight > 0 (the main stream)")
         if not 0 <= self.feature_dropout < 1:
             raise MirrorTrainError(f"train.feature_dropout must be in [0, 1), got {self.feature_dropout}")
-        if not 0 <= self.copied_weight <= 1:
-            raise MirrorTrainError(f"train.copied_weight must be in [0, 1], got {self.copied_weight}")
         if self.ttt_steps < 0 or not 0 < self.ttt_decay <= 1:
             raise MirrorTrainError(
                 f"train: ttt_steps ≥ 0 and ttt_decay in (0, 1], got {self.ttt_steps} and {self.ttt_decay}"
@@ -340,17 +334,11 @@ def drafter_loss(model, batch: dict[str, torch.Tensor], cfg: DrafterTrainConfig)
     ids = draft.target_to_draft(batch["topk_ids"])  # (1, N, k) draft ids, -100 outside the draft vocabulary
     real = batch["mask"].bool()  # (1, N), all true
     argmax = ids[..., 0]  # (1, N): the target's choice of the token after each position
-    weights = None
-    if cfg.copied_weight != 1.0:
-        copied = packed_copy_hits(batch["token_ids"], batch["topk_ids"][..., 0], segments)  # (1, N)
-        weights = torch.where(copied, cfg.copied_weight, 1.0).float()
     out = outs[0]
-    ce = lookahead_ce_loss(
-        out.logits, out.stream_logits, argmax, cfg.ce_weight, cfg.stream_weight, segments, main_weights=weights
-    )
+    ce = lookahead_ce_loss(out.logits, out.stream_logits, argmax, cfg.ce_weight, cfg.stream_weight, segments)
     loss, parts = ce, {"ce": ce.detach()}
     if cfg.kl_weight:
-        kl = _draft_vocab_kl(out.logits, ids, batch["topk_logp"], real, weights)
+        kl = _draft_vocab_kl(out.logits, ids, batch["topk_logp"], real)
         loss = loss + cfg.kl_weight * kl
         parts["kl"] = kl.detach()
     if steps:
@@ -370,17 +358,12 @@ def drafter_loss(model, batch: dict[str, torch.Tensor], cfg: DrafterTrainConfig)
 
 
 def _draft_vocab_kl(
-    logits: torch.Tensor,
-    ids: torch.Tensor,
-    topk_logp: torch.Tensor,
-    real: torch.Tensor,
-    weights: torch.Tensor | None = None,
+    logits: torch.Tensor, ids: torch.Tensor, topk_logp: torch.Tensor, real: torch.Tensor
 ) -> torch.Tensor:
     """Mean KL(target top-k restricted to the draft vocabulary, renormalised ‖ draft) over the real positions.
 
     logits (B, T, V_draft); ids (B, T, k) draft ids, -100 = not in the draft vocabulary; topk_logp (B, T, k);
-    real (B, T) bool; weights (B, T) or None: a weighted mean. A position none of whose top-k the draft can propose
-    is left out. Returns a scalar.
+    real (B, T) bool. A position none of whose top-k the draft can propose is left out. Returns a scalar.
     """
     keep = ids >= 0  # (B, T, k)
     rows = real & keep.any(-1)  # (B, T)
@@ -388,10 +371,7 @@ def _draft_vocab_kl(
     # 0 · (finite) keeps topk_kl_loss's sum finite where -inf would make it NaN.
     logp = topk_logp.masked_fill(~keep, _DROPPED_LOGP)
     kl = topk_kl_loss(logits[rows], ids[rows].clamp(min=0), logp[rows])  # (N,)
-    if weights is None:
-        return kl.sum() / rows.sum().clamp(min=1)
-    w = weights[rows]
-    return (kl * w).sum() / w.sum().clamp(min=1e-6)
+    return kl.sum() / rows.sum().clamp(min=1)
 
 
 EVAL_DEPTH = 4  # rollout steps scored held out: windows of 5 drafted tokens

@@ -48,10 +48,8 @@ def lookahead_ce_loss(
     main_weight: float = 1.0,
     stream_weight: float = 0.1,
     segments: torch.Tensor | None = None,
-    main_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """main_weight · CE(main stream) + stream_weight · Σ_j CE(stream j), each CE a mean over its labelled positions
-    (the main stream's weighted by main_weights (B, T) when given).
+    """main_weight · CE(main stream) + stream_weight · Σ_j CE(stream j), each CE a mean over its labelled positions.
 
     logits (B, T, V); stream_logits (B, T, S, V) or None; next_labels (B, T) ids of the logits' vocabulary,
     -100 = ignore, aligned with the positions: position t's main stream is trained on next_labels[t] (its next
@@ -63,7 +61,7 @@ def lookahead_ce_loss(
     T = logits.shape[1]
     loss = logits.new_zeros((), dtype=torch.float32)
     if main_weight:
-        loss = loss + main_weight * _mean_ce(logits, next_labels, main_weights)
+        loss = loss + main_weight * _mean_ce(logits, next_labels)
     num_streams = 0 if stream_logits is None else stream_logits.shape[2]
     for j in range(1, min(num_streams, T - 1) + 1):
         labels = next_labels[:, j:]
@@ -85,12 +83,7 @@ def speculative_streaming_loss(
     return lookahead_ce_loss(logits[:, :-1], streams, labels[:, 1:], 1.0, stream_weight)
 
 
-def _mean_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean cross-entropy over the labelled positions (0 when there are none), weighted by `weights` (...) when
-    given. logits (..., V), labels (...)."""
-    ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
-    labelled = (labels != IGNORE_INDEX).flatten()
-    if weights is None:
-        return ce.sum() / labelled.sum().clamp(min=1)
-    w = weights.flatten().float() * labelled
-    return (ce * w).sum() / w.sum().clamp(min=1e-6)
+def _mean_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the labelled positions (0 when there are none). logits (..., V), labels (...)."""
+    total = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
