@@ -115,9 +115,22 @@ static inline float bf16_to_f32(uint16_t h) {
 #define BF16_LOAD(p) bf16_to_f32(*(p))
 #endif
 
+/* KEEP_X: the tall blocks hold each input chunk in a register for its NB FMAs. Left to itself, GCC 12 folds the
+   load into every FMA (NB loads of the same chunk): at 3 x 8 that is 27 vector loads for 24 FMAs, and a Zen 4 core
+   loads one 512-bit vector a cycle, so the block ran load-bound at ~70% of the FMA peak (81 of 117 GFLOP/s from
+   L2; 94-97 held in a register, twenty-fifth session, docs/engine.md). The wide 4 x MB blocks of 3-4 rows, which
+   stream the weights from memory, ran slower held, so they keep the compiler's choice. The asm changes no
+   arithmetic: the same FMAs in the same order. */
+#if defined(__AVX512F__)
+#define KEEP_X(v) __asm__("" : "+v"(v))
+#else
+#define KEEP_X(v) (void)(v)
+#endif
+
 /* NB weight rows x MB input rows: every output accumulates over the same k-chunks in the same order, so its value
-   does not depend on NB, MB or how many rows the call has. pf: prefetch the next block's weight rows into L2. */
-#define BLOCK(T, WT, NB, MB)                                                                                       \
+   does not depend on NB, MB or how many rows the call has. pf: prefetch the next block's weight rows into L2.
+   KEEP: hold each input chunk in a register (KEEP_X). */
+#define BLOCK(T, WT, NB, MB, KEEP)                                                                                 \
 static void T##_block_##NB##_##MB(const float *x, int64_t ldx, const WT *w, int64_t K, const float *b, float *y,    \
                                   int64_t ldy, int pf) {                                                           \
     vec acc[NB][MB];                                                                                               \
@@ -132,6 +145,7 @@ static void T##_block_##NB##_##MB(const float *x, int64_t ldx, const WT *w, int6
         }                                                                                                          \
         for (int j = 0; j < MB; j++) {                                                                             \
             vec xv = VLOAD(x + j * ldx + k);                                                                       \
+            if (KEEP) KEEP_X(xv);                                                                                  \
             for (int i = 0; i < NB; i++) acc[i][j] = VFMA(wv[i], xv, acc[i][j]);                                   \
         }                                                                                                          \
     }                                                                                                              \
@@ -158,10 +172,10 @@ static void T##_block_##NB##_##MB(const float *x, int64_t ldx, const WT *w, int6
 #define F32_WIDE_FROM_1 0
 #define BF16_WIDE_FROM_1 1
 #define LINEAR(T, WT)                                                                                              \
-BLOCK(T, WT, 4, 4) BLOCK(T, WT, 4, 3) BLOCK(T, WT, 4, 2) BLOCK(T, WT, 4, 1)                                        \
-BLOCK(T, WT, 3, 8) BLOCK(T, WT, 3, 7) BLOCK(T, WT, 3, 6) BLOCK(T, WT, 3, 5)                                        \
-BLOCK(T, WT, 3, 4) BLOCK(T, WT, 3, 3) BLOCK(T, WT, 3, 2) BLOCK(T, WT, 3, 1)                                        \
-BLOCK(T, WT, 1, 4) BLOCK(T, WT, 1, 3) BLOCK(T, WT, 1, 2) BLOCK(T, WT, 1, 1)                                        \
+BLOCK(T, WT, 4, 4, 0) BLOCK(T, WT, 4, 3, 0) BLOCK(T, WT, 4, 2, 0) BLOCK(T, WT, 4, 1, 0)                            \
+BLOCK(T, WT, 3, 8, 1) BLOCK(T, WT, 3, 7, 1) BLOCK(T, WT, 3, 6, 1) BLOCK(T, WT, 3, 5, 1)                            \
+BLOCK(T, WT, 3, 4, 1) BLOCK(T, WT, 3, 3, 1) BLOCK(T, WT, 3, 2, 1) BLOCK(T, WT, 3, 1, 1)                            \
+BLOCK(T, WT, 1, 4, 0) BLOCK(T, WT, 1, 3, 0) BLOCK(T, WT, 1, 2, 0) BLOCK(T, WT, 1, 1, 0)                            \
 typedef void (*T##_block_fn)(const float *, int64_t, const WT *, int64_t, const float *, float *, int64_t, int);    \
 static const T##_block_fn T##_WIDE[5] = {0, T##_block_4_1, T##_block_4_2, T##_block_4_3, T##_block_4_4};           \
 static const T##_block_fn T##_TALL[9] = {0, T##_block_3_1, T##_block_3_2, T##_block_3_3, T##_block_3_4,           \
