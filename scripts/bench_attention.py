@@ -37,6 +37,7 @@ def baseline_module(revision: str):
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("kernels_baseline", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
     spec.loader.exec_module(module)
     return module
 

@@ -1,0 +1,82 @@
+"""The row-exact linear kernel (mirror_train/kernels.py) over one step's weights, by window rows, one thread, and
+optionally against the kernel of another git revision on the same inputs: its time, and whether every output is the
+same bit for bit (the served target's function must not change with a speed-up).
+
+    python scripts/bench_linear.py [--rows 1,4,5,6,8,16] [--baseline 0487532~1] [--rounds 8]
+
+The weights are random float32 of the testbed's shapes (per decoder layer q, k, v, o, gate, up, down; 30 layers; the
+LM head 49152 × 576: 538 MB), so each call streams its weights from memory as a decoding step does; a row's time
+here is what the linears add to a verification window. Rounds alternate the kernels (the host's speed drifts
+minute to minute); prints a Markdown table of medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from bench_attention import baseline_module
+
+from mirror_train import kernels
+from mirror_train.devices import cpu_model
+from mirror_train.timing import torch_threads
+
+LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # (out, in)
+HEAD = (49152, 576)
+
+
+def step_ms(linear, weights: list[torch.Tensor], xs: dict[int, torch.Tensor], rows: int) -> tuple[float, list]:
+    start = time.perf_counter()
+    outs = [linear(xs[w.shape[1]][:rows], w) for w in weights]
+    return (time.perf_counter() - start) * 1e3, outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,4,5,6,8,16", help="window rows a call")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--baseline", default=None, help="a git revision whose kernels.py to time beside this one")
+    args = ap.parse_args()
+    if not kernels.available():
+        raise SystemExit("error: the kernels did not build on this machine (kernels.available() is False)")
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=gen) for _ in range(args.layers) for o, i in LAYER]
+    weights.append(torch.randn(*HEAD, generator=gen))
+    xs = {k: torch.randn(16, k, generator=gen) for k in (576, 1536)}
+    rows = [int(r) for r in args.rows.split(",")]
+    impls = {"this": kernels.linear}
+    if args.baseline:
+        impls["baseline"] = baseline_module(args.baseline).linear
+    times = {(name, r): [] for name in impls for r in rows}
+    same = {r: True for r in rows}
+    with torch_threads(1), torch.inference_mode():
+        for linear in impls.values():  # build and warm each
+            step_ms(linear, weights, xs, 1)
+        for _ in range(args.rounds):
+            for r in rows:
+                outs = {}
+                for name, linear in impls.items():
+                    ms, outs[name] = step_ms(linear, weights, xs, r)
+                    times[(name, r)].append(ms)
+                if "baseline" in outs:
+                    same[r] &= all(torch.equal(a, b) for a, b in zip(outs["this"], outs["baseline"]))
+    gb = sum(w.numel() for w in weights) * 4 / 1e9
+    print(f"CPU {cpu_model()}, torch {torch.__version__}, one thread, {gb:.2f} GB of float32 weights a step\n")
+    head = "| rows | this: ms | GFLOP/s |" + (" baseline: ms | this ÷ baseline | same bits |" if args.baseline else "")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    flops = 2 * sum(w.numel() for w in weights)
+    for r in rows:
+        ms = statistics.median(times[("this", r)])
+        line = f"| {r} | {ms:.2f} | {flops * r / ms / 1e6:.0f} |"
+        if args.baseline:
+            base = statistics.median(times[("baseline", r)])
+            line += f" {base:.2f} | {ms / base:.3f} | {'yes' if same[r] else '**no**'} |"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
