@@ -63,10 +63,11 @@ def resolve(kind: str, device: torch.device | str, dtype: torch.dtype | None = N
     if kind not in KINDS:
         raise MirrorTrainError(f"fast_path must be one of {', '.join(KINDS)}, got {kind!r}")
     device = torch.device(device)
-    onednn = device.type == "cpu" and torch.backends.mkldnn.is_available()
+    onednn = device.type == "cpu" and onednn_packs(dtype or torch.float32)
     kernel = device.type == "cpu" and dtype in (None, *kernels.WEIGHT_DTYPES) and kernels.available()
     if kind == "onednn" and not onednn:
-        raise MirrorTrainError(f"fast_path=onednn needs a CPU with oneDNN; the model is on {device}")
+        where = f"{device}" if device.type != "cpu" else f"this CPU ({dtype or torch.float32})"
+        raise MirrorTrainError(f"fast_path=onednn needs a CPU whose oneDNN packs the model's dtype; not on {where}")
     if kind == "fastest":  # a choice among what is there: torch's path always is
         return kind if device.type == "cpu" else "none"
     if kind == "exact" and not kernel:
@@ -123,7 +124,7 @@ def install(model: nn.Module, kind: str = "auto") -> str:
         return kind
     if kind == "fastest":
         paths = ["torch"]
-        paths += ["onednn"] if torch.backends.mkldnn.is_available() else []
+        paths += ["onednn"] if onednn_packs(linears[0].weight.dtype) else []
         paths += ["exact"] if param.dtype in kernels.WEIGHT_DTYPES and kernels.available() else []
         routes: dict[tuple, tuple[str, ...]] = {}
         for module in linears:
@@ -295,6 +296,19 @@ def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if x.dtype == weight.dtype and prefill_path(tuple(weight.shape), bias is not None, weight.dtype) == "onednn":
         return onednn_linear(x, weight, bias)
     return nn.functional.linear(x, weight, bias)
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN prepacks linear weights of `dtype`: its bf16 path needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, so on an AVX2-only CPU (an AMD EPYC Zen 3) `_reorder_linear_weight` raises for bf16 weights."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 @functools.cache

@@ -224,6 +224,30 @@ def test_the_fast_path_is_chosen_by_device_and_dtype():
         EngineConfig(placement="local", draft_fast_path="turbo").validate()
 
 
+def test_onednn_is_offered_only_for_the_dtypes_this_cpus_onednn_packs():
+    """oneDNN's bf16 prepacking needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: on an AVX2-only EPYC (Zen 3) it raises,
+    and a bf16 draft's install then routes among torch's path and the kernel instead of failing."""
+    packs = fastpath.onednn_packs(torch.bfloat16)
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), None)
+        expected = torch.backends.mkldnn.is_available()
+    except RuntimeError:
+        expected = False
+    assert packs == expected
+    if packs:
+        assert fastpath.resolve("onednn", "cpu", torch.bfloat16) == "onednn"
+    else:
+        with pytest.raises(MirrorTrainError, match="oneDNN packs the model's dtype"):
+            fastpath.resolve("onednn", "cpu", torch.bfloat16)
+    layer = torch.nn.Sequential(torch.nn.Linear(32, 48)).to(torch.bfloat16)
+    assert fastpath.install(layer, "fastest") == "fastest"
+    paths = set(fastpath.routes(layer)["0"])
+    assert ("onednn" in paths) <= packs
+    x = torch.randn(1, 3, 32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer[0].weight, layer[0].bias))
+
+
 def test_without_a_compiler_the_kernel_is_unavailable_and_auto_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
