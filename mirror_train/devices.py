@@ -7,6 +7,7 @@ there is a GPU, else the CPU.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
@@ -21,20 +22,43 @@ DEVICE_HELP = "auto (CUDA when present, else the CPU), cpu, cuda, cuda:N or mps"
 
 
 def cpuinfo(field: str) -> str | None:
-    """The first `field` line's value in /proc/cpuinfo (`model name`, `flags`), or None where there is none."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(field):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
+    """The first processor's `field` in /proc/cpuinfo (`model name`, `flags`, `cpu family`), or None where there is
+    none."""
+    return _cpuinfo_fields().get(field)
 
 
 def cpu_model() -> str:
-    """The CPU's name, as every recorded figure names it."""
-    return cpuinfo("model name") or platform.processor() or platform.machine()
+    """The CPU as every recorded figure names it: its name, family and model, and its widest vector unit, since a
+    name alone ("AMD EPYC" under a hypervisor) leaves apart CPUs whose figures differ (Zen 3, AVX2 only; Zen 4 and
+    Zen 5, AVX-512 and bf16 dot products)."""
+    fields = _cpuinfo_fields()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    about = []
+    if "cpu family" in fields and "model" in fields:
+        about.append(f"family {fields['cpu family']} model {fields['model']}")
+    flags = set(fields.get("flags", "").split())
+    about += [label for flag, label in VECTOR_UNITS if flag in flags][:1]
+    return f"{name} ({', '.join(about)})" if about else name
+
+
+# the widest unit first: what float32 / bf16 matmuls run on
+VECTOR_UNITS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 + bf16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
+@functools.cache
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first processor's /proc/cpuinfo fields by exact name (empty where there is none)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
 
 
 def resolve_device(spec: str | torch.device | None) -> torch.device:

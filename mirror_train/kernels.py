@@ -9,11 +9,11 @@ by the rows beside it (a one-row product goes to a GEMV, ~1e-5 apart); torch's f
 causal window differently from one-row decoding, so exactness took k separate attention calls a layer.
 - `linear`: streams each weight row once a call and reuses it from L1 for every input row (1 weight row × the 1–2
   input rows a block for calls of 1–2 rows, 4 weight rows × up to 4 input rows, 3 weight rows × up to 8 input rows
-  from 5 rows on where 8 input rows fit L1, the next block's weight rows prefetched: each measured fastest at its
-  rows); per output, explicit FMAs over the same k-chunks, then
-  the same horizontal sum, so the block shape changes no bit. One weight stream at a time reads memory faster than
-  four interleaved ones: on a Zen 5 core a one-row call over 113–230 MB of weights ran at 32 GB/s against 27 (a
-  plain sum reads 34–36; docs/engine.md, fifteenth session).
+  from 5 rows on where 8 input rows fit L1 (2 × up to 6 on AVX2, whose 16 vector registers do not hold 3 × 8's
+  sums), the next block's weight rows prefetched: each measured fastest at its rows); per output, explicit FMAs
+  over the same k-chunks, then the same horizontal sum, so the block shape changes no bit. One weight stream at a
+  time reads memory faster than four interleaved ones: on a Zen 5 core a one-row call over 113–230 MB of weights
+  ran at 32 GB/s against 27 (a plain sum reads 34–36; docs/engine.md, fifteenth session).
 - `attention`: for each head and query row, the scores over exactly the keys that row sees, a max, exponentials
   (a fixed polynomial) summed in order, and the values accumulated in order: a function of the row's query and its
   keys alone, so a window row is the one-token step at that position.
@@ -130,9 +130,9 @@ static inline float bf16_to_f32(uint16_t h) {
 /* NB weight rows x MB input rows: every output accumulates over the same k-chunks in the same order, so its value
    does not depend on NB, MB or how many rows the call has. pf: prefetch the next block's weight rows into L2.
    KEEP: hold each input chunk in a register (KEEP_X). */
-#define BLOCK(T, WT, NB, MB, KEEP)                                                                                 \
-static void T##_block_##NB##_##MB(const float *x, int64_t ldx, const WT *w, int64_t K, const float *b, float *y,    \
-                                  int64_t ldy, int pf) {                                                           \
+#define BLOCK(T, WT, NAME, NB, MB, KEEP)                                                                           \
+static void T##_##NAME##_##MB(const float *x, int64_t ldx, const WT *w, int64_t K, const float *b, float *y,        \
+                              int64_t ldy, int pf) {                                                               \
     vec acc[NB][MB];                                                                                               \
     for (int i = 0; i < NB; i++)                                                                                   \
         for (int j = 0; j < MB; j++) acc[i][j] = VZERO();                                                          \
@@ -159,11 +159,40 @@ static void T##_block_##NB##_##MB(const float *x, int64_t ldx, const WT *w, int6
 }
 
 /* y (M x N, row stride ldy) = x (M x K, row stride ldx) . w^T, w (N x K) contiguous; b (N, float32) or NULL.
-   Blocks by the rows of the call: 1-2 rows one weight row a block (it streams fastest); 3-4 rows 4 weight rows x
-   4 input rows; 5 or more rows 3 weight rows x up to 8 input rows (24 sums in registers, each weight chunk loaded
-   once for 8 rows: 8 rows 15-30% faster than two 4x4 passes, Zen 5, docs/engine.md sixteenth session) where 8
-   input rows stay in L1 (K <= TALL_K; at K = 1536 they do not, and 3x8 ran 20% slower than 4x4 passes). */
+   Blocks by the rows of the call: 1-2 rows one weight row a block (it streams fastest); from WIDE_FROM rows
+   WIDE_NB weight rows x up to WIDE_MB input rows, the weights streamed from memory once for them; from TALL_FROM
+   rows TALL_NB weight rows x up to TALL_MB input rows (each weight chunk loaded once for TALL_MB rows) where the
+   input rows stay in L1 (K <= TALL_K; at K = 1536 they do not, and 3 x 8 ran 20% slower than 4 x 4 passes).
+   The shapes are by vector width (-D overrides them, to measure others):
+   - AVX-512 (32 registers): 4 x 4 and 3 x 8 (24 sums in registers: 8 rows 15-30% faster than two 4 x 4 passes,
+     Zen 5, docs/engine.md sixteenth session);
+   - AVX2 (16 registers): 4 x 4 and 2 x 6. A 3 x 8 block's 24 sums spill to the stack on every chunk there; of the
+     tall shapes whose 12-16 sums fit, 2 x 6 ran fastest (Zen 3: 8 rows 0.87x and 16 rows 0.84x 3 x 8's time,
+     docs/engine.md twenty-sixth session), and the wide 4 x 4 still beat 4 x 2, 4 x 3 and 3 x 4 at 3-4 rows.
+   Any shape gives the same bits (above). */
+#ifndef WIDE_NB
+#define WIDE_NB 4
+#define WIDE_MB 4
+#if LANES == 16
+#define TALL_NB 3
+#define TALL_MB 8
+#else
+#define TALL_NB 2
+#define TALL_MB 6
+#endif
+#endif
+#ifndef WIDE_FROM
+#define WIDE_FROM 3
+#endif
+#ifndef TALL_FROM
+#define TALL_FROM 5
+#endif
+#ifndef TALL_KEEP
+#define TALL_KEEP 1
+#endif
+#ifndef TALL_K
 #define TALL_K 768
+#endif
 /* bfloat16 weights take the 4-weight-row blocks from one row on: a lone weight row's chain of FMAs (K / LANES long,
    each waiting for the one before) streams half the bytes of a float32 row per cycle, below the memory's rate, and
    four chains kept up (Zen 4, three alternating rounds: 1-2 rows 5-30% faster on the draft's 1536x576 and
@@ -172,27 +201,33 @@ static void T##_block_##NB##_##MB(const float *x, int64_t ldx, const WT *w, int6
 #define F32_WIDE_FROM_1 0
 #define BF16_WIDE_FROM_1 1
 #define LINEAR(T, WT)                                                                                              \
-BLOCK(T, WT, 4, 4, 0) BLOCK(T, WT, 4, 3, 0) BLOCK(T, WT, 4, 2, 0) BLOCK(T, WT, 4, 1, 0)                            \
-BLOCK(T, WT, 3, 8, 1) BLOCK(T, WT, 3, 7, 1) BLOCK(T, WT, 3, 6, 1) BLOCK(T, WT, 3, 5, 1)                            \
-BLOCK(T, WT, 3, 4, 1) BLOCK(T, WT, 3, 3, 1) BLOCK(T, WT, 3, 2, 1) BLOCK(T, WT, 3, 1, 1)                            \
-BLOCK(T, WT, 1, 4, 0) BLOCK(T, WT, 1, 3, 0) BLOCK(T, WT, 1, 2, 0) BLOCK(T, WT, 1, 1, 0)                            \
+BLOCK(T, WT, wide, WIDE_NB, 1, 0) BLOCK(T, WT, wide, WIDE_NB, 2, 0)                                                \
+BLOCK(T, WT, wide, WIDE_NB, 3, 0) BLOCK(T, WT, wide, WIDE_NB, 4, 0)                                                \
+BLOCK(T, WT, tall, TALL_NB, 1, TALL_KEEP) BLOCK(T, WT, tall, TALL_NB, 2, TALL_KEEP)                                \
+BLOCK(T, WT, tall, TALL_NB, 3, TALL_KEEP) BLOCK(T, WT, tall, TALL_NB, 4, TALL_KEEP)                                \
+BLOCK(T, WT, tall, TALL_NB, 5, TALL_KEEP) BLOCK(T, WT, tall, TALL_NB, 6, TALL_KEEP)                                \
+BLOCK(T, WT, tall, TALL_NB, 7, TALL_KEEP) BLOCK(T, WT, tall, TALL_NB, 8, TALL_KEEP)                                \
+BLOCK(T, WT, narrow, 1, 1, 0) BLOCK(T, WT, narrow, 1, 2, 0)                                                      \
+BLOCK(T, WT, narrow, 1, 3, 0) BLOCK(T, WT, narrow, 1, 4, 0)                                                      \
 typedef void (*T##_block_fn)(const float *, int64_t, const WT *, int64_t, const float *, float *, int64_t, int);    \
-static const T##_block_fn T##_WIDE[5] = {0, T##_block_4_1, T##_block_4_2, T##_block_4_3, T##_block_4_4};           \
-static const T##_block_fn T##_TALL[9] = {0, T##_block_3_1, T##_block_3_2, T##_block_3_3, T##_block_3_4,           \
-                                         T##_block_3_5, T##_block_3_6, T##_block_3_7, T##_block_3_8};             \
-static const T##_block_fn T##_NARROW[5] = {0, T##_block_1_1, T##_block_1_2, T##_block_1_3, T##_block_1_4};         \
+static const T##_block_fn T##_WIDE[5] = {0, T##_wide_1, T##_wide_2, T##_wide_3, T##_wide_4};                       \
+static const T##_block_fn T##_TALL[9] = {0, T##_tall_1, T##_tall_2, T##_tall_3, T##_tall_4,                       \
+                                         T##_tall_5, T##_tall_6, T##_tall_7, T##_tall_8};                         \
+static const T##_block_fn T##_NARROW[5] = {0, T##_narrow_1, T##_narrow_2, T##_narrow_3, T##_narrow_4};             \
 void linear_##T(const float *x, int64_t ldx, const WT *w, const float *b, float *y, int64_t ldy, int64_t M,         \
                 int64_t N, int64_t K) {                                                                            \
     int64_t n = 0;                                                                                                 \
-    for (; M > 4 && K <= TALL_K && n + 3 <= N; n += 3)                                                             \
-        for (int64_t m = 0; m < M; m += 8) {                                                                       \
-            int64_t mb = M - m < 8 ? M - m : 8;                                                                    \
-            T##_TALL[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy, n + 6 <= N);         \
+    for (; M >= TALL_FROM && K <= TALL_K && n + TALL_NB <= N; n += TALL_NB)                                        \
+        for (int64_t m = 0; m < M; m += TALL_MB) {                                                                 \
+            int64_t mb = M - m < TALL_MB ? M - m : TALL_MB;                                                        \
+            T##_TALL[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy,                      \
+                         n + 2 * TALL_NB <= N);                                                                    \
         }                                                                                                          \
-    for (; (M > 2 || T##_WIDE_FROM_1) && n + 4 <= N; n += 4)                                                       \
-        for (int64_t m = 0; m < M; m += 4) {                                                                       \
-            int64_t mb = M - m < 4 ? M - m : 4;                                                                    \
-            T##_WIDE[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy, m == 0 && n + 8 <= N); \
+    for (; (M >= WIDE_FROM || T##_WIDE_FROM_1) && n + WIDE_NB <= N; n += WIDE_NB)                                  \
+        for (int64_t m = 0; m < M; m += WIDE_MB) {                                                                 \
+            int64_t mb = M - m < WIDE_MB ? M - m : WIDE_MB;                                                        \
+            T##_WIDE[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy,                      \
+                         m == 0 && n + 2 * WIDE_NB <= N);                                                          \
         }                                                                                                          \
     for (; n < N; n++)                                                                                             \
         for (int64_t m = 0; m < M; m += 4) {                                                                       \
