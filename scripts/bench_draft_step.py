@@ -57,7 +57,9 @@ def measure(draft_path: str | None, nodes: list[int], contexts: list[int], repea
             target, 4, num_streams=2, num_stream_layers=1, draft_vocab=list(range(8192)),
             feature_conditioning="target_hidden", target_exit_layer=target.num_layers // 2,
         )  # fmt: skip
-    dtype = resolve_dtype("auto", torch.device("cpu"))  # the engine's draft_dtype default
+    # the engine's draft_dtype default, as that revision chose it
+    choose = getattr(fastpath, "draft_dtype", lambda name, device: resolve_dtype(name, device))
+    dtype = choose("auto", torch.device("cpu"))
     draft = draft.requires_grad_(False).eval().to(dtype)
     kind = getattr(fastpath, "for_draft", lambda k: k)("auto")  # what channel.build_server installs at that revision
     installed = fastpath.install(draft, kind)
@@ -137,11 +139,14 @@ def main() -> None:
     if args.baseline:
         result["baseline"] = args.baseline
         result["baseline_fast_path"] = runs["baseline"][0]["fast_path"]
+        result["baseline_dtype"] = runs["baseline"][0]["dtype"]
         result["baseline_ms"] = {c: statistics.median(r["ms"][c] for r in runs["baseline"]) for c in cells}
     if args.json:
         print(json.dumps(result, indent=1))
         return
     print(f"{result['cpu']}, draft {result['draft']}, {result['dtype']}, served {result['fast_path']}")
+    if args.baseline:
+        print(f"{args.baseline}: {result['baseline_dtype']}, served {result['baseline_fast_path']}")
     head = "| context | nodes | ms |" + (f" {args.baseline} ms | speed-up |" if args.baseline else "")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))

@@ -28,7 +28,7 @@ import json
 import torch
 
 from mirror_train import fastpath
-from mirror_train.devices import cpu_model, resolve_dtype
+from mirror_train.devices import cpu_model
 from mirror_train.target import Target
 from mirror_train.timing import interleaved_median_ms, median_ms, torch_threads
 
@@ -137,7 +137,7 @@ def main() -> None:
         result["onednn_step_ms"] = {w: round(t, 2) for w, t in onednn.items()}
     if args.draft:
         with torch_threads(1):
-            dtype = resolve_dtype(args.draft_dtype, "cpu")
+            dtype = fastpath.draft_dtype(args.draft_dtype, "cpu")
             result["draft_dtype"] = str(dtype).removeprefix("torch.")
             result["draft_ms"] = round(draft_time(targets["fast"], args.draft, args.context, args.repeats, dtype), 2)
         result["draft_over_step"] = round(result["draft_ms"] / result["step_ms"][1], 3)

@@ -248,6 +248,19 @@ def test_onednn_is_offered_only_for_the_dtypes_this_cpus_onednn_packs():
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer[0].weight, layer[0].bias))
 
 
+def test_a_draft_served_on_the_kernels_takes_bf16_weights_on_any_cpu():
+    """Its sums are float32 over bf16 weights widened on load: bf16 halves its bytes without bf16 arithmetic, so
+    "auto" takes it wherever the kernels serve the draft, AVX2-only CPUs included; elsewhere devices' rule."""
+    from mirror_train.devices import resolve_dtype
+
+    expected = torch.bfloat16 if kernels.available() else resolve_dtype("auto", "cpu")
+    assert fastpath.draft_dtype("auto", "cpu") == expected
+    assert fastpath.draft_dtype("auto", "cpu", "none") == resolve_dtype("auto", "cpu")
+    assert fastpath.draft_dtype("float32", "cpu") == torch.float32
+    with pytest.raises(MirrorTrainError, match="dtype must be"):
+        fastpath.draft_dtype("half", "cpu")
+
+
 def test_without_a_compiler_the_kernel_is_unavailable_and_auto_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))

@@ -48,8 +48,8 @@ class EngineConfig:
     # vocabulary: all of them. 96.6% of held-out answer tokens at a third of the head's cost (docs/engine.md)
     head_placement: Literal["target", "draft"] = "draft"  # where the proxy head runs (module docstring)
     # What the draft, and a proxy head on the draft's side, compute in. They only propose, so their precision cannot
-    # change the output; "auto": bfloat16 where bf16 matmuls are fast (CUDA, CPUs with AMX or AVX-512 BF16), else
-    # float32.
+    # change the output; "auto": bfloat16 where bf16 matmuls are fast (CUDA, CPUs with AMX or AVX-512 BF16) or where
+    # its layers run on the CPU kernels, which sum in float32 over bf16 weights (fastpath.draft_dtype), else float32.
     draft_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Prompt lookup (ngram.py): windows copied from the prompt and the committed text, up to this long, compete with
     # the draft's in sd and mirror alike (0: off); method "pld" verifies them alone, with no draft model.

@@ -14,7 +14,7 @@ from transformers import AutoConfig
 
 from mirror_train import fastpath
 from mirror_train.datastore import Datastore
-from mirror_train.devices import draft_device, resolve_dtype
+from mirror_train.devices import draft_device
 from mirror_train.engine.config import EngineConfig
 from mirror_train.engine.drafts import SyntheticDraftConfig
 from mirror_train.errors import MirrorTrainError
@@ -51,7 +51,7 @@ def draft_spec(target: Target, cfg: EngineConfig, draft, head: ProxyHead, workdi
     `SyntheticDraftConfig`. With `head_placement="draft"` the head's bundle is written into `workdir` too.
     """
     device = draft_device(cfg.draft_device, target.device)
-    dtype = str(resolve_dtype(cfg.draft_dtype, device)).removeprefix("torch.")
+    dtype = str(fastpath.draft_dtype(cfg.draft_dtype, device, cfg.draft_fast_path)).removeprefix("torch.")
     common = {
         "device": str(device),
         "branch_budget": cfg.branch_budget,

@@ -195,7 +195,8 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
     engine = MirrorEngine(target, cfg.proxy_head, cfg.draft if uses_draft else None, engine_cfg)
     assistant = None
     if "assisted" in methods:
-        # the same network in the same precision as the engine's draft: only the decoding algorithm differs
+        # the same network as the engine's draft, in the precision torch's own path runs fastest here (it is not
+        # served on the kernels, where the engine's draft may take bf16 for its bytes alone: fastpath.draft_dtype)
         dtype = resolve_dtype(cfg.engine.draft_dtype, target.device)
         assistant = load_draft(cfg.draft, target).to_llama().to(dtype)
     stops = sorted(engine.stops)
