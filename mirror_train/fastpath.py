@@ -93,9 +93,9 @@ def draft_dtype(name: str, device: torch.device | str, kind: str = "auto") -> to
     """The precision a draft is served in when the engine's `draft_dtype` is `name` and its `draft_fast_path` is
     `kind`: "auto" is bfloat16 where bf16 matmuls are fast (`devices.fast_bf16`: AMX, AVX-512 BF16, CUDA) and, on
     a CPU, also wherever the draft's layers run on the kernels (`fastest` with the kernels built): their sums are
-    float32 over bf16 weights widened exactly on load, so bf16 only halves the bytes a forward streams. On an
-    AVX2-only EPYC (Zen 3), where torch's bf16 matmuls are slow, the draft's one-node forward took 4.35 ms in bf16
-    against 7.63 in float32 (docs/engine.md, twenty-sixth session)."""
+    float32 over bf16 weights widened exactly on load, so bf16 only halves the bytes a forward streams, and is the
+    faster there even on an AVX2-only CPU, where torch's bf16 matmuls are slow (measured: docs/engine.md,
+    twenty-sixth session)."""
     device = torch.device(device)
     if name == "auto" and device.type == "cpu" and for_draft(kind) == "fastest" and kernels.available():
         return torch.bfloat16

@@ -167,8 +167,8 @@ static void T##_##NAME##_##MB(const float *x, int64_t ldx, const WT *w, int64_t 
    - AVX-512 (32 registers): 4 x 4 and 3 x 8 (24 sums in registers: 8 rows 15-30% faster than two 4 x 4 passes,
      Zen 5, docs/engine.md sixteenth session);
    - AVX2 (16 registers): 4 x 4 and 2 x 6. A 3 x 8 block's 24 sums spill to the stack on every chunk there; of the
-     tall shapes whose 12-16 sums fit, 2 x 6 ran fastest (Zen 3: 8 rows 0.87x and 16 rows 0.84x 3 x 8's time,
-     docs/engine.md twenty-sixth session), and the wide 4 x 4 still beat 4 x 2, 4 x 3 and 3 x 4 at 3-4 rows.
+     tall shapes whose 12-16 sums fit, 2 x 6 ran fastest, and the wide 4 x 4 still beat 4 x 2, 4 x 3 and 3 x 4 at
+     3-4 rows (Zen 3, docs/engine.md twenty-sixth session).
    Any shape gives the same bits (above). */
 #ifndef WIDE_NB
 #define WIDE_NB 4
