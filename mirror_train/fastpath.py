@@ -306,10 +306,15 @@ def run_path(path: str, x: torch.Tensor, weight: torch.Tensor, packed, bias: tor
 
 
 def prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A many-row CPU linear (a prompt's prefill) on the GEMM measured faster for its shape on this machine."""
-    if x.dtype == weight.dtype and prefill_path(tuple(weight.shape), bias is not None, weight.dtype) == "onednn":
-        return onednn_linear(x, weight, bias)
-    return nn.functional.linear(x, weight, bias)
+    """A many-row CPU linear (a prompt's prefill) on the GEMM measured faster for its shape on this machine; the
+    result in x's dtype."""
+    path = prefill_path(tuple(weight.shape), bias is not None, weight.dtype)
+    if path == "float32":  # half-precision weights widened for this call: torch's float32 GEMM
+        b = bias.float() if bias is not None else None
+        return nn.functional.linear(x.float(), weight.float(), b).to(x.dtype)
+    h = x.to(weight.dtype)
+    out = onednn_linear(h, weight, bias) if path == "onednn" else nn.functional.linear(h, weight, bias)
+    return out.to(x.dtype)
 
 
 @functools.cache
@@ -327,20 +332,25 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 @functools.cache
 def prefill_path(shape: tuple[int, int], bias: bool, dtype: torch.dtype) -> str:
-    """Which GEMM, "onednn" or "torch", is the faster for PREFILL_ROWS rows of this layer shape, timed once per
-    process (a property of the machine and the shape, not of the weights: random ones of that shape are timed)."""
-    if not torch.backends.mkldnn.is_available():
-        return "torch"
+    """Which GEMM is the fastest for PREFILL_ROWS rows of this layer shape, timed once per process (a property of
+    the machine and the shape, not of the weights: random ones of that shape are timed): "onednn", "torch", or for
+    half-precision weights "float32" (widened each call, the widening timed with it). A bf16 draft served on the
+    kernels (`draft_dtype`) prefills its prompt here, and where bf16 matmuls are emulated (AVX2 only) torch's and
+    oneDNN's bf16 GEMMs lose to widening (docs/engine.md, twenty-sixth session)."""
     n, k = shape
     with torch.inference_mode():
         x, w = torch.randn(1, PREFILL_ROWS, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
         b = torch.randn(n, dtype=dtype) if bias else None
-        try:
-            onednn = median_ms(lambda: onednn_linear(x, w, b), repeats=3, warmup=1)
-        except RuntimeError:  # a oneDNN build without this op or dtype
-            return "torch"
-        plain = median_ms(lambda: nn.functional.linear(x, w, b), repeats=3, warmup=1)
-    return "onednn" if onednn < plain else "torch"
+        times = {"torch": median_ms(lambda: nn.functional.linear(x, w, b), repeats=3, warmup=1)}
+        if torch.backends.mkldnn.is_available():
+            try:
+                times["onednn"] = median_ms(lambda: onednn_linear(x, w, b), repeats=3, warmup=1)
+            except RuntimeError:  # a oneDNN build without this op or dtype
+                pass
+        if dtype != torch.float32:
+            bf = b.float() if bias else None
+            times["float32"] = median_ms(lambda: nn.functional.linear(x.float(), w.float(), bf), repeats=3, warmup=1)
+    return min(times, key=times.get)
 
 
 class PackedLinear(nn.Linear):
@@ -383,7 +393,7 @@ class RoutedLinear(PackedLinear):
         if not self.routes or x.device.type != "cpu" or _needs_grad(x, w):
             return nn.functional.linear(x.to(w.dtype), w, self.bias).to(x.dtype)
         if rows > ROUTE_ROWS[-1]:
-            return prefill_linear(x.to(w.dtype), w, self.bias).to(x.dtype)
+            return prefill_linear(x, w, self.bias)
         return self.run(x, self.routes[bisect.bisect_left(ROUTE_ROWS, rows)])
 
     def __deepcopy__(self, memo):

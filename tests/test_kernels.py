@@ -261,6 +261,19 @@ def test_a_draft_served_on_the_kernels_takes_bf16_weights_on_any_cpu():
         fastpath.draft_dtype("half", "cpu")
 
 
+def test_a_prefill_takes_the_fastest_gemm_and_returns_the_inputs_dtype():
+    """Past MAX_ROWS rows a bf16 draft's linear may widen its weights (where bf16 GEMMs are emulated, AVX2): any of
+    the three paths computes the same product, in the input's dtype."""
+    assert fastpath.prefill_path((48, 32), True, torch.float32) in ("torch", "onednn")
+    assert fastpath.prefill_path((48, 32), True, torch.bfloat16) in ("torch", "onednn", "float32")
+    w, b = torch.randn(48, 32).to(torch.bfloat16), torch.randn(48).to(torch.bfloat16)
+    x = torch.randn(1, 200, 32)
+    with torch.inference_mode():
+        out = fastpath.prefill_linear(x, w, b)
+    assert out.dtype == torch.float32 and out.shape == (1, 200, 48)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w.float(), b.float()), atol=0.1, rtol=0.02)
+
+
 def test_without_a_compiler_the_kernel_is_unavailable_and_auto_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
