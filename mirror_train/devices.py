@@ -27,6 +27,10 @@ def cpuinfo(field: str) -> str | None:
     return _cpuinfo_fields().get(field)
 
 
+# the widest unit first: what float32 / bf16 matmuls run on
+VECTOR_UNITS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 + bf16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
 def cpu_model() -> str:
     """The CPU as every recorded figure names it: its name, family and model, and its widest vector unit, since a
     name alone ("AMD EPYC" under a hypervisor) leaves apart CPUs whose figures differ (Zen 3, AVX2 only; Zen 4 and
@@ -39,10 +43,6 @@ def cpu_model() -> str:
     flags = set(fields.get("flags", "").split())
     about += [label for flag, label in VECTOR_UNITS if flag in flags][:1]
     return f"{name} ({', '.join(about)})" if about else name
-
-
-# the widest unit first: what float32 / bf16 matmuls run on
-VECTOR_UNITS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 + bf16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
 
 
 @functools.cache

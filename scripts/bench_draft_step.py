@@ -58,7 +58,7 @@ def measure(draft_path: str | None, nodes: list[int], contexts: list[int], repea
             feature_conditioning="target_hidden", target_exit_layer=target.num_layers // 2,
         )  # fmt: skip
     # the engine's draft_dtype default, as that revision chose it
-    choose = getattr(fastpath, "draft_dtype", lambda name, device: resolve_dtype(name, device))
+    choose = getattr(fastpath, "draft_dtype", resolve_dtype)
     dtype = choose("auto", torch.device("cpu"))
     draft = draft.requires_grad_(False).eval().to(dtype)
     kind = getattr(fastpath, "for_draft", lambda k: k)("auto")  # what channel.build_server installs at that revision
