@@ -128,13 +128,16 @@ def install(model: nn.Module, kind: str = "auto") -> str:
     if not linears:
         return kind
     for module in linears:
-        for key in ("_packed", "_packed_dtype", "min_rows", "routes"):  # an earlier install's
+        for key in ("_packed", "_packed_dtype", "min_rows", "routes", "_panels"):  # an earlier install's
             module.__dict__.pop(key, None)
         if kind in ("exact", "fastest"):  # timed now, not inside the first request
             prefill_path(tuple(module.weight.shape), module.bias is not None, module.weight.dtype)
+    panels = kind in ("exact", "fastest") and kernels.available() and kernels.layout() == "panels"
     if kind == "exact":
         for module in linears:
             module.__class__ = ExactLinear
+            if panels and module.weight.dtype in kernels.WEIGHT_DTYPES:
+                kernels.serve_panels(module)
         return kind
     if kind == "fastest":
         paths = ["torch"]
@@ -146,6 +149,8 @@ def install(model: nn.Module, kind: str = "auto") -> str:
             if "onednn" in paths:
                 module.repack()
             contiguous = module.weight.is_contiguous()  # the kernel reads (N, K) rows in place
+            if panels and "exact" in paths and contiguous:
+                kernels.serve_panels(module)
             shape = (tuple(module.weight.shape), module.bias is not None, module.weight.dtype, contiguous)
             if shape not in routes:
                 routes[shape] = _routes(module, [p for p in paths if p != "exact" or contiguous], param.dtype)
@@ -226,11 +231,14 @@ def _routes(
     packed = []
     if "onednn" in paths:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in copies] if count > 1 else [linear._packed]
+    panels = [None] * count
+    if "exact" in paths and kernels.panels_of(linear) is not None:  # timed as served: on its own panels
+        panels = [kernels.to_panels(w) for w in copies]
     turn = [0]  # one counter for every timed call: a copy is read again only after all the others
 
     def call(x: torch.Tensor, path: str) -> torch.Tensor:
         i = turn[0] = (turn[0] + 1) % count
-        return run_path(path, x, copies[i], packed[i] if packed else None, bias)
+        return run_path(path, x, copies[i], packed[i] if packed else None, bias, panels[i])
 
     best = []
     with torch.inference_mode():
@@ -279,10 +287,10 @@ class ExactLinear(nn.Linear):
             return nn.functional.linear(x, w, self.bias)
         if x.numel() > kernels.MAX_ROWS * self.in_features:
             return prefill_linear(x, w, self.bias)
-        return kernels.linear(x, w, self.bias)
+        return kernels.linear(x, w, self.bias, kernels.panels_of(self))
 
     def __deepcopy__(self, memo):
-        return _plain_copy(self, memo, ())
+        return _plain_copy(self, memo, ("_panels",))
 
 
 PREFILL_ROWS = 2 * kernels.MAX_ROWS  # the rows `prefill_path` times a layer shape at
@@ -293,11 +301,13 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def run_path(path: str, x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
-    """One linear call on a `fastest` route: the row-exact kernel on `weight`, oneDNN on its prepacked copy
-    `packed`, or torch's own."""
+def run_path(
+    path: str, x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | None, panels=None
+) -> torch.Tensor:
+    """One linear call on a `fastest` route: the row-exact kernel on `weight` (on its `panels` where given),
+    oneDNN on its prepacked copy `packed`, or torch's own."""
     if path == "exact":
-        return kernels.linear(x, weight, bias)
+        return kernels.linear(x, weight, bias, panels)
     if x.dtype != weight.dtype:  # float32 activations on half-precision weights (_widen_activations)
         return run_path(path, x.to(weight.dtype), weight, packed, bias).to(x.dtype)
     if path == "onednn":
@@ -375,7 +385,7 @@ class PackedLinear(nn.Linear):
         return self.packed(x)
 
     def __deepcopy__(self, memo):
-        return _plain_copy(self, memo, ("_packed", "_packed_dtype", "min_rows"))
+        return _plain_copy(self, memo, ("_packed", "_packed_dtype", "min_rows", "_panels"))
 
 
 class RoutedLinear(PackedLinear):
@@ -385,7 +395,8 @@ class RoutedLinear(PackedLinear):
     routes: tuple[str, ...] = ()
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
-        return run_path(path, x, self.weight, self.__dict__.get("_packed"), self.bias)
+        panels = kernels.panels_of(self) if path == "exact" else None
+        return run_path(path, x, self.weight, self.__dict__.get("_packed"), self.bias, panels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -397,4 +408,4 @@ class RoutedLinear(PackedLinear):
         return self.run(x, self.routes[bisect.bisect_left(ROUTE_ROWS, rows)])
 
     def __deepcopy__(self, memo):
-        return _plain_copy(self, memo, ("_packed", "_packed_dtype", "min_rows", "routes"))
+        return _plain_copy(self, memo, ("_packed", "_packed_dtype", "min_rows", "routes", "_panels"))

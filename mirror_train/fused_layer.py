@@ -263,11 +263,11 @@ class FusedLayer(nn.Module):
     def _weights(self) -> kernels.LayerWeights | None:
         """The C call's view of this layer's parameters (None: norms not float32, or linears' weights not all float32
         or all bfloat16: a draft served with float32 activations on bfloat16 weights, fastpath.py), rebuilt when they
-        have moved (a cast, a copy: the first projection's storage tells). Held in the instance's __dict__: a module
-        attribute lookup costs a microsecond, and a step makes ~30 of these calls."""
+        have moved or changed (a cast, a copy, a load: the first projection's storage and version tell). Held in the
+        instance's __dict__: a module attribute lookup costs a microsecond, and a step makes ~30 of these calls."""
         cached = self.__dict__.get("_fused_weights")
-        if cached is not None and cached[0].data_ptr() == cached[1]:
-            return cached[2]
+        if cached is not None and cached[0].data_ptr() == cached[1] and cached[0]._version == cached[2]:
+            return cached[3]
         attn, linears = self.self_attn, _linears(self)
         norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
         weight_dtypes = {m.weight.dtype for m in linears}
@@ -282,5 +282,6 @@ class FusedLayer(nn.Module):
         lw = kernels.layer_weights(
             norms[0].detach(), norms[1].detach(), eps, linears, heads, kv_heads, attn.head_dim, scale, attn.layer_idx
         )
-        self.__dict__["_fused_weights"] = (attn.q_proj.weight, attn.q_proj.weight.data_ptr(), lw)
+        q = attn.q_proj.weight  # moved or changed in place (a load_state_dict): panels made again (kernels.panels_of)
+        self.__dict__["_fused_weights"] = (q, q.data_ptr(), q._version, lw)
         return lw

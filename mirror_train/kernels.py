@@ -238,6 +238,110 @@ void linear_##T(const float *x, int64_t ldx, const WT *w, const float *b, float 
 LINEAR(F32, float)
 LINEAR(BF16, uint16_t)
 
+/* The same product on weights stored as panels: LANES weight rows interleaved, k-major (P[N/LANES][K][LANES], the
+   last panel padded with zero rows; `kernels.to_panels`). A tile of R input rows x C panels keeps R x C vectors of
+   sums, each lane one output: every k it loads C weight vectors and broadcasts R inputs, so no horizontal sums
+   remain, and each panel is one contiguous stream. Every output is the chain fma(x[k], w[k], s) over k = 0..K-1
+   from s = 0, then + bias, in any tile: a row's outputs do not depend on the rows of the call (row-exact), and they
+   differ from the row layout's (LANES partial sums) in the last bits. On an AVX2-only Zen 3 core a one-row step's
+   linears took 0.66x and eight rows 0.82x the row layout's time (docs/engine.md, twenty-seventh session): a lone
+   weight row's single FMA chain left the row layout's one-row call at ~19 GB/s. The tiles by R (C: as many panels
+   as the registers hold beside R x C sums; one row takes 8 for its 8 independent chains): */
+#if LANES == 16
+#define PC1 8
+#define PC2 8
+#define PC3 6
+#define PC4 4
+#define PC5 4
+#define PC6 4
+#define PC7 3
+#define PC8 3
+#else
+#define PC1 8
+#define PC2 4
+#define PC3 3
+#define PC4 3
+#define PC5 2
+#define PC6 2
+#define PC7 1
+#define PC8 1
+#endif
+#if LANES == 16
+#define VBCAST(p) _mm512_set1_ps(*(p))
+#elif LANES == 8
+#define VBCAST(p) _mm256_broadcast_ss(p)
+#else
+#define VBCAST(p) (*(p))
+#endif
+#define PANEL_CHUNK 24 /* panels a pass over the rows: divisible by every PC, so each row group covers it whole */
+/* NAME: the tile's function, R x C (C given as a number: the PC macros expand before they reach here) */
+#define PTILE(T, WT, NAME, R, C)                                                                                   \
+static void NAME(const float *x, int64_t ldx, const WT *p, int64_t K, const float *b, float *y, int64_t ldy) {     \
+    vec acc[R][C];                                                                                                 \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                            \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = VZERO();                                   \
+    const float *xr[R];                                                                                            \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) xr[r] = x + r * ldx;                                       \
+    const int64_t cs = K * LANES;                                                                                  \
+    for (int64_t k = 0; k < K; k++, p += LANES) {                                                                  \
+        vec w[C];                                                                                                  \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) w[c] = T##_LOAD(p + c * cs);                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                      \
+            vec xb = VBCAST(xr[r] + k);                                                                            \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = VFMA(w[c], xb, acc[r][c]);             \
+        }                                                                                                          \
+    }                                                                                                              \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                            \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)                                                        \
+            VSTORE(y + r * ldy + c * LANES, b ? VADD(acc[r][c], VLOAD(b + c * LANES)) : acc[r][c]);                \
+}
+/* R rows over `panels` panels: tiles of C, then one panel at a time */
+#define PTILES(T, WT, R, C) PTILES_(T, WT, R, C)
+#define PTILES_(T, WT, R, C)                                                                                       \
+PTILE(T, WT, T##_ptile_##R##_##C, R, C) PTILE(T, WT, T##_ptile_##R##_one, R, 1)                                     \
+static void T##_ptile_##R(const float *x, int64_t ldx, const WT *p, int64_t K, const float *b, float *y,            \
+                          int64_t ldy, int64_t panels) {                                                           \
+    int64_t c = 0;                                                                                                 \
+    for (; c + C <= panels; c += C)                                                                                \
+        T##_ptile_##R##_##C(x, ldx, p + c * K * LANES, K, b ? b + c * LANES : 0, y + c * LANES, ldy);              \
+    for (; c < panels; c++)                                                                                        \
+        T##_ptile_##R##_one(x, ldx, p + c * K * LANES, K, b ? b + c * LANES : 0, y + c * LANES, ldy);              \
+}
+#define PANEL_TILES(T, WT)                                                                                         \
+PTILES(T, WT, 1, PC1) PTILES(T, WT, 2, PC2) PTILES(T, WT, 3, PC3) PTILES(T, WT, 4, PC4)                            \
+PTILES(T, WT, 5, PC5) PTILES(T, WT, 6, PC6) PTILES(T, WT, 7, PC7) PTILES(T, WT, 8, PC8)                            \
+typedef void (*T##_prow_fn)(const float *, int64_t, const WT *, int64_t, const float *, float *, int64_t, int64_t); \
+static const T##_prow_fn T##_PROWS[9] = {0, T##_ptile_1, T##_ptile_2, T##_ptile_3, T##_ptile_4, T##_ptile_5,      \
+                                         T##_ptile_6, T##_ptile_7, T##_ptile_8};                                  \
+void linear_panels_##T(const float *x, int64_t ldx, const WT *p, const float *b, float *y, int64_t ldy, int64_t M, \
+                       int64_t N, int64_t K) {                                                                     \
+    /* p: the panels of an N x K weight (N rounded up to LANES), b: N biases or NULL. Whole panels straight into y; \
+       the last, partial one (N % LANES outputs) through a small buffer. */                                       \
+    int64_t full = N / LANES;                                                                                      \
+    for (int64_t c0 = 0; c0 < full; c0 += PANEL_CHUNK) {                                                           \
+        int64_t panels = full - c0 < PANEL_CHUNK ? full - c0 : PANEL_CHUNK;                                        \
+        for (int64_t m = 0; m < M; m += 8) {                                                                       \
+            int64_t r = M - m < 8 ? M - m : 8;                                                                     \
+            T##_PROWS[r](x + m * ldx, ldx, p + c0 * K * LANES, K, b ? b + c0 * LANES : 0, y + m * ldy + c0 * LANES, \
+                         ldy, panels);                                                                             \
+        }                                                                                                          \
+    }                                                                                                              \
+    int64_t rest = N - full * LANES;                                                                               \
+    if (rest) {                                                                                                    \
+        float buf[8 * LANES], bias[LANES];                                                                         \
+        for (int64_t i = 0; i < LANES; i++) bias[i] = b && i < rest ? b[full * LANES + i] : 0.0f;                  \
+        for (int64_t m = 0; m < M; m += 8) {                                                                       \
+            int64_t r = M - m < 8 ? M - m : 8;                                                                     \
+            T##_PROWS[r](x + m * ldx, ldx, p + full * K * LANES, K, b ? bias : 0, buf, LANES, 1);                  \
+            for (int64_t j = 0; j < r; j++)                                                                        \
+                for (int64_t i = 0; i < rest; i++) y[(m + j) * ldy + full * LANES + i] = buf[j * LANES + i];       \
+        }                                                                                                          \
+    }                                                                                                              \
+}
+PANEL_TILES(F32, float)
+PANEL_TILES(BF16, uint16_t)
+int kernel_lanes(void) { return LANES; }
+
 /* exp(x) for x <= 0 (a softmax's shifted scores): Cephes' expf polynomial after x = n ln2 + r, times 2^n. */
 #if LANES == 16
 #define VSET(c) _mm512_set1_ps(c)
@@ -538,16 +642,18 @@ static inline vec vsilu(vec g) {  /* g / (1 + exp(-g)), exp over the whole float
 
 /* one of the layer's linears on its weights' type: float32, or bfloat16 widened on load (wbf16) */
 #define LAYER_LINEAR(x, ldx, i, y, ldy, N, K)                                                                       \
-    (wbf16 ? linear_BF16(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K)                                     \
-           : linear_F32(x, ldx, (const float *)w[i], b[i], y, ldy, M, N, K))
+    (wpanels ? (wbf16 ? linear_panels_BF16(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K)                   \
+                      : linear_panels_F32(x, ldx, (const float *)w[i], b[i], y, ldy, M, N, K))                      \
+             : (wbf16 ? linear_BF16(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K)                          \
+                      : linear_F32(x, ldx, (const float *)w[i], b[i], y, ldy, M, N, K)))
 
 void decoder_layer_f32(float *x, int64_t M, int64_t H, const float *ln1, const float *ln2, float eps,
                        const void *const *w, const float *const *b, int64_t I, int64_t NH, int64_t KVH, int64_t D,
                        const float *cos, const float *sin, float *kbuf, float *vbuf, int64_t kv_sh, int64_t kv_sl,
                        int64_t past, float scale, const int64_t *n1, const int64_t *s2, const int64_t *n2,
-                       float *scratch, int wbf16) {
-    /* w: q, k, v, o, gate, up, down (N x K row-major, all float32 or all bfloat16: wbf16); b: float32 biases or
-       NULL. The activations, the cache and every sum are float32 either way. */
+                       float *scratch, int wbf16, int wpanels) {
+    /* w: q, k, v, o, gate, up, down (N x K row-major, or as panels: wpanels; all float32 or all bfloat16: wbf16);
+       b: float32 biases or NULL. The activations, the cache and every sum are float32 either way. */
     int64_t QD = NH * D, KD = KVH * D, L = past + M;
     float *n = scratch, *q = n + M * H, *k = q + M * QD, *v = k + M * KD, *att = v + M * KD, *g = att + M * QD;
     float *u = g + M * I, *o = u + M * I, *as = o + M * H;  /* as: the attention's RB_MAX x L scores */
@@ -620,18 +726,20 @@ def _library() -> ctypes.CDLL | None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     try:
         lib = ctypes.CDLL(str(path))
-        for fn in (lib.linear_F32, lib.linear_BF16):
+        for fn in (lib.linear_F32, lib.linear_BF16, lib.linear_panels_F32, lib.linear_panels_BF16):
             fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
             fn.restype = None
+        lib.kernel_lanes.restype = ctypes.c_int
         # q, q head / row strides, k, v, kv head / position strides, out, scratch, M, H, KVH, L, D, scale,
         # and a forked window's per-row key runs n1, s2, n2 (NULL: causal)
         lib.attention_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, *[i64] * 5, ctypes.c_float]
         lib.attention_f32.argtypes += [ptr] * 3
         lib.attention_f32.restype = None
         # x, M, H, ln1, ln2, eps, weights[7], biases[7], I, NH, KVH, D, cos, sin, kbuf, vbuf, kv strides, past,
-        # scale, n1, s2, n2, scratch, whether the weights are bfloat16
+        # scale, n1, s2, n2, scratch, whether the weights are bfloat16, whether they are panels
         lib.decoder_layer_f32.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, *[i64] * 4, ptr, ptr]
         lib.decoder_layer_f32.argtypes += [ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr, ctypes.c_int]
+        lib.decoder_layer_f32.argtypes += [ctypes.c_int]
         lib.decoder_layer_f32.restype = None
     except (OSError, AttributeError):  # not loadable here, or not the library this source builds
         return None
@@ -645,10 +753,13 @@ def available() -> bool:
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, panels: torch.Tensor | None = None
+) -> torch.Tensor:
     """x (..., K) · weightᵀ (+ bias) on the CPU for at most MAX_ROWS rows; `weight` contiguous (N, K), float32 or
-    bfloat16 (widened exactly; the sums are float32, the result rounded once to x's dtype). Call only where
-    `available()`."""
+    bfloat16 (widened exactly; the sums are float32, the result rounded once to x's dtype). `panels`: the weight as
+    `to_panels` lays it out, read instead of `weight` (a different function in the last bits, row-exact too). Call
+    only where `available()`."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.dtype != torch.float32 or not rows.is_contiguous():
         rows = rows.to(torch.float32).contiguous()
@@ -657,11 +768,102 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m, k = rows.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    kernel = _library().linear_F32 if weight.dtype == torch.float32 else _library().linear_BF16
+    lib, f32 = _library(), weight.dtype == torch.float32
+    if panels is None:
+        kernel, w = (lib.linear_F32 if f32 else lib.linear_BF16), weight
+    else:
+        kernel, w = (lib.linear_panels_F32 if f32 else lib.linear_panels_BF16), panels
     b = bias.data_ptr() if bias is not None else None
-    kernel(rows.data_ptr(), k, weight.data_ptr(), b, out.data_ptr(), n, m, n, k)
+    kernel(rows.data_ptr(), k, w.data_ptr(), b, out.data_ptr(), n, m, n, k)
     out = out.view(*x.shape[:-1], n)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def lanes() -> int:
+    """The kernels' vector width in floats (16 with AVX-512, 8 with AVX2, 1 without either)."""
+    return _library().kernel_lanes()
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """An (N, K) weight as the panel kernels read it: (⌈N / lanes⌉, K, lanes), LANES rows interleaved k-major, the
+    last panel padded with zero rows; same dtype, a new contiguous tensor (the weight itself is left as it is)."""
+    n, k = weight.shape
+    width = lanes()
+    w = weight.detach()
+    if n % width:
+        w = torch.cat([w, w.new_zeros(width - n % width, k)])
+    return w.view(-1, width, k).transpose(1, 2).contiguous()
+
+
+def panels_of(module: torch.nn.Module) -> torch.Tensor | None:
+    """The panels a linear module's weight is served from (`serve_panels` put them there; None: it is served in rows),
+    made again if the weight has moved or changed in place since (a load_state_dict, an optimizer step)."""
+    entry = module.__dict__.get("_panels")
+    if entry is None:
+        return None
+    panels, ptr, version = entry
+    w = module.weight
+    if w.data_ptr() != ptr or w._version != version:
+        panels = serve_panels(module)
+    return panels
+
+
+def serve_panels(module: torch.nn.Module) -> torch.Tensor:
+    """Keep a panel copy of `module.weight` beside it (the weight stays: a prefill's GEMM and anything that borrows
+    it read the rows), for `linear(..., panels=panels_of(module))`."""
+    w = module.weight
+    panels = to_panels(w)
+    module.__dict__["_panels"] = (panels, w.data_ptr(), w._version)
+    return panels
+
+
+LAYOUTS = ("rows", "panels")
+LAYOUT_BYTES = 48 * 2**20  # the weights `layout` streams a timed call through: far past a CPU's L2, as in serving
+
+
+@functools.cache
+def layout() -> str:
+    """How the served linears' weights are laid out for the kernels on this machine: "rows" (the weight as it is, a
+    block of weight rows x input rows, LANES partial sums an output) or "panels" (`to_panels`, one sum chain an
+    output). $MIRROR_TRAIN_KERNEL_LAYOUT (rows, panels, auto) decides; auto, the default, times both once per
+    process over LAYOUT_BYTES of float32 weights at one and eight rows (a one-token step and a verification window)
+    and takes the faster in sum. On an AVX2-only Zen 3 core panels took 0.66x / 0.82x the rows' time (docs/engine.md,
+    twenty-seventh session); the rows layout is tuned for AVX-512, where panels have not been measured yet."""
+    name = os.environ.get("MIRROR_TRAIN_KERNEL_LAYOUT", "auto")
+    if name in LAYOUTS:
+        return name
+    if name != "auto":
+        raise ValueError(f"MIRROR_TRAIN_KERNEL_LAYOUT must be auto, rows or panels, got {name!r}")
+    return min(layout_times(), key=layout_times().get) if available() else "rows"
+
+
+@functools.cache
+def layout_times(rounds: int = 3) -> dict[str, float]:
+    """Milliseconds a layout's linears take over LAYOUT_BYTES of float32 weights (a (1536, 576) shape, the testbed's
+    MLP) at one row plus at eight rows: medians of alternating rounds, one thread (`layout`'s measurement)."""
+    import statistics
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    shape = (1536, 576)
+    weights = [torch.rand(shape, generator=gen) - 0.5 for _ in range(max(1, LAYOUT_BYTES // (4 * 1536 * 576)))]
+    panels = [to_panels(w) for w in weights]
+    x = torch.rand(8, shape[1], generator=gen)
+    times: dict[tuple[str, int], list[float]] = {(name, r): [] for name in LAYOUTS for r in (1, 8)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for _ in range(rounds + 1):  # the first round warms
+                for r in (1, 8):
+                    for name in LAYOUTS:
+                        start = time.perf_counter()
+                        for w, p in zip(weights, panels):
+                            linear(x[:r], w, panels=p if name == "panels" else None)
+                        times[(name, r)].append((time.perf_counter() - start) * 1e3)
+    finally:
+        torch.set_num_threads(threads)
+    return {name: sum(statistics.median(times[(name, r)][1:]) for r in (1, 8)) for name in LAYOUTS}
 
 
 def attention(
@@ -726,22 +928,28 @@ class LayerWeights:
     layer_idx: int  # its place in the model's cache
     keep: tuple  # the tensors the addresses point into
     bf16: bool = False  # the linears' weights are bfloat16 (widened on load; the sums stay float32)
+    panels: bool = False  # the linears are read from their panels (`serve_panels`), not their rows
 
 
 def layer_weights(ln1, ln2, eps, linears, heads, kv_heads, head_dim, scale, layer_idx) -> LayerWeights:
     """`linears`: the q, k, v, o, gate, up, down nn.Linear modules, in that order, their weights all float32 or all
-    bfloat16 (contiguous); ln1, ln2 float32."""
+    bfloat16 (contiguous); ln1, ln2 float32. Read from their panels where all seven are served from panels (the
+    function their own forwards compute), else from their rows."""
     dtypes = {m.weight.dtype for m in linears}
     if len(dtypes) != 1 or not dtypes <= set(WEIGHT_DTYPES):
         raise ValueError(f"a fused layer's linears share one weight dtype of {WEIGHT_DTYPES}, got {dtypes}")
     arr = ctypes.c_void_p * 7
-    weights = arr(*(m.weight.data_ptr() for m in linears))
+    panels = [panels_of(m) for m in linears]
+    read = panels if all(p is not None for p in panels) else [m.weight for m in linears]
+    weights = arr(*(t.data_ptr() for t in read))
     biases = [None if m.bias is None else m.bias.detach().float().contiguous() for m in linears]  # read as float32
-    keep = (ln1, ln2, *(m.weight for m in linears), *biases)
+    keep = (ln1, ln2, *read, *biases)
     biases = arr(*(None if b is None else b.data_ptr() for b in biases))
     inter = linears[4].out_features
     bf16 = dtypes == {torch.bfloat16}
-    return LayerWeights(ln1, ln2, eps, weights, biases, inter, heads, kv_heads, head_dim, scale, layer_idx, keep, bf16)
+    return LayerWeights(
+        ln1, ln2, eps, weights, biases, inter, heads, kv_heads, head_dim, scale, layer_idx, keep, bf16, read is panels
+    )
 
 
 def decoder_layer(
@@ -792,5 +1000,6 @@ def decoder_layer(
         *r,
         scratch.data_ptr(),
         int(lw.bf16),
+        int(lw.panels),
     )
     return out.view(1, m, hidden)

@@ -1,6 +1,7 @@
-"""The row-exact linear kernel (mirror_train/kernels.py) over one step's weights, by window rows, one thread, and
-optionally against the kernel of another git revision on the same inputs: its time, and whether every output is the
-same bit for bit (the served target's function must not change with a speed-up).
+"""The row-exact linear kernel (mirror_train/kernels.py) over one step's weights, by window rows, one thread, in
+both weight layouts (`kernels.layout`: rows, panels) side by side, and optionally against the kernel of another git
+revision on the same inputs (rows layout): its time, and whether every output is the same bit for bit (the served
+target's function must not change with a speed-up).
 
     python scripts/bench_linear.py [--rows 1,4,5,6,8,16] [--baseline 0487532~1] [--rounds 8]
 
@@ -45,9 +46,14 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen) for _ in range(args.layers) for o, i in LAYER]
     weights.append(torch.randn(*HEAD, generator=gen))
+    panels = [kernels.to_panels(w) for w in weights]
     xs = {k: torch.randn(16, k, generator=gen) for k in (576, 1536)}
     rows = [int(r) for r in args.rows.split(",")]
-    impls = {"this": kernels.linear}
+    panels_of = {id(w): p for w, p in zip(weights, panels)}
+    impls = {
+        "this": kernels.linear,
+        "panels": lambda x, w: kernels.linear(x, w, None, panels_of[id(w)]),
+    }
     if args.baseline:
         impls["baseline"] = baseline_module(args.baseline).linear
     times = {(name, r): [] for name in impls for r in rows}
@@ -64,14 +70,18 @@ def main() -> None:
                 if "baseline" in outs:
                     same[r] &= all(torch.equal(a, b) for a, b in zip(outs["this"], outs["baseline"]))
     gb = sum(w.numel() for w in weights) * 4 / 1e9
-    print(f"CPU {cpu_model()}, torch {torch.__version__}, one thread, {gb:.2f} GB of float32 weights a step\n")
-    head = "| rows | this: ms | GFLOP/s |" + (" baseline: ms | this ÷ baseline | same bits |" if args.baseline else "")
+    print(f"CPU {cpu_model()}, torch {torch.__version__}, one thread, {gb:.2f} GB of float32 weights a step")
+    chosen = kernels.layout()
+    print(f"(this: the rows layout; panels: the same weights as `kernels.to_panels`; chosen here: {chosen})\n")
+    head = "| rows | this: ms | GFLOP/s | panels: ms | panels ÷ this |"
+    head += " baseline: ms | this ÷ baseline | same bits |" if args.baseline else ""
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     flops = 2 * sum(w.numel() for w in weights)
     for r in rows:
         ms = statistics.median(times[("this", r)])
-        line = f"| {r} | {ms:.2f} | {flops * r / ms / 1e6:.0f} |"
+        pms = statistics.median(times[("panels", r)])
+        line = f"| {r} | {ms:.2f} | {flops * r / ms / 1e6:.0f} | {pms:.2f} | {pms / ms:.3f} |"
         if args.baseline:
             base = statistics.median(times[("baseline", r)])
             line += f" {base:.2f} | {ms / base:.3f} | {'yes' if same[r] else '**no**'} |"

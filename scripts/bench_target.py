@@ -27,7 +27,7 @@ import json
 
 import torch
 
-from mirror_train import fastpath
+from mirror_train import fastpath, kernels
 from mirror_train.devices import cpu_model
 from mirror_train.target import Target
 from mirror_train.timing import interleaved_median_ms, median_ms, torch_threads
@@ -118,6 +118,7 @@ def main() -> None:
         "cpu": cpu_model(),
         "torch": torch.__version__,
         "fast_path": kind,
+        "kernel_layout": kernels.layout() if kind == "exact" else None,
         "context": args.context,
         "weight_bytes": weights,
         "bandwidth_gbs": round(bandwidth, 2),

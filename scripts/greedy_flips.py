@@ -19,6 +19,7 @@ import json
 
 import torch
 
+from mirror_train import kernels
 from mirror_train.devices import cpu_model, pinned
 from mirror_train.engine import EngineConfig, MirrorEngine
 from mirror_train.eval.peers import greedy_generate
@@ -40,7 +41,13 @@ def run(args) -> dict:
     cfg = EngineConfig(fast_path=args.fast_path, target_core=args.core)
     engine = MirrorEngine(target, None, None, cfg)
     records = []
-    result = {"cpu": cpu_model(), "torch": torch.__version__, "fast_path": engine.fast_path, "records": records}
+    result = {
+        "cpu": cpu_model(),
+        "torch": torch.__version__,
+        "fast_path": engine.fast_path,
+        "kernel_layout": kernels.layout(),
+        "records": records,
+    }
     with torch.inference_mode():
         for q in questions:
             ids = encode_chat(target.tokenizer, q.messages())

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import transformers
 from torch import nn
 
 from mirror_train import fastpath, fused_layer, kernels
@@ -19,21 +20,78 @@ needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler
     "n,k,bias", [(576, 576, False), (49, 1536, False), (7, 13, True), (5, 3, True), (1, 64, False)]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_computes_the_linear_and_every_row_is_exact_whatever_the_rows(n, k, bias, dtype):
+@pytest.mark.parametrize("layout", kernels.LAYOUTS)
+def test_the_kernel_computes_the_linear_and_every_row_is_exact_whatever_the_rows(n, k, bias, dtype, layout):
     """Each output equals float64's within float32 rounding, and row i of a k-row call equals the one-row call on
     row i bit for bit, for every k (the property that makes a verification window equal its one-token steps), on
-    float32 and on bfloat16 weights (whose 1-2-row calls take other blocks than float32's)."""
+    float32 and on bfloat16 weights (whose 1-2-row calls take other blocks than float32's), read as rows or as
+    panels (whose last panel is padded where n is no multiple of the lanes, and whose tiles change with the rows)."""
     g = torch.Generator().manual_seed(n + k)
     w, x = torch.randn(n, k, generator=g).to(dtype), torch.randn(17, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    full = kernels.linear(x, w, b)
+    p = kernels.to_panels(w) if layout == "panels" else None
+    full = kernels.linear(x, w, b, p)
     exact = nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     torch.testing.assert_close(full.double(), exact, atol=1e-4 * k**0.5, rtol=1e-5)
     for r in range(len(x)):
-        assert torch.equal(kernels.linear(x[r : r + 1], w, b), full[r : r + 1])
+        assert torch.equal(kernels.linear(x[r : r + 1], w, b, p), full[r : r + 1])
     for rows in range(1, len(x) + 1):
-        assert torch.equal(kernels.linear(x[:rows], w, b), full[:rows])
-    assert kernels.linear(x[None, :3], w, b).shape == (1, 3, n)  # leading dims kept
+        assert torch.equal(kernels.linear(x[:rows], w, b, p), full[:rows])
+    assert kernels.linear(x[None, :3], w, b, p).shape == (1, 3, n)  # leading dims kept
+
+
+@needs_kernel
+def test_panels_interleave_lanes_of_weight_rows_and_the_layout_is_chosen_once_by_measuring(monkeypatch):
+    w = torch.arange(2 * kernels.lanes() + 3, dtype=torch.float32)[:, None].repeat(1, 5)  # row i holds i
+    p = kernels.to_panels(w)
+    assert p.shape == (3, 5, kernels.lanes()) and p.is_contiguous()
+    assert torch.equal(p[1, 2], torch.arange(kernels.lanes(), 2 * kernels.lanes(), dtype=torch.float32))
+    assert p[2, 0, 3:].eq(0).all()  # the padding
+    kernels.layout.cache_clear()
+    try:
+        monkeypatch.setenv("MIRROR_TRAIN_KERNEL_LAYOUT", "auto")
+        times = kernels.layout_times()
+        assert set(times) == set(kernels.LAYOUTS) and all(t > 0 for t in times.values())
+        assert kernels.layout() == min(times, key=times.get)
+        kernels.layout.cache_clear()
+        monkeypatch.setenv("MIRROR_TRAIN_KERNEL_LAYOUT", "tiles")
+        with pytest.raises(ValueError, match="auto, rows or panels"):
+            kernels.layout()
+    finally:
+        kernels.layout.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", kernels.LAYOUTS)
+def test_an_exact_model_serves_the_layout_chosen_and_panels_follow_their_weight(layout, monkeypatch):
+    """Served in panels, every linear and every fused layer reads a panel copy, made again when its weight is
+    changed in place (a load_state_dict): the model stays the function of its current weights."""
+    from mirror_train.random_models import tiny_model
+
+    monkeypatch.setenv("MIRROR_TRAIN_KERNEL_LAYOUT", layout)
+    kernels.layout.cache_clear()
+    fused, layer = [], kernels.decoder_layer
+    monkeypatch.setattr(kernels, "decoder_layer", lambda *a, **k: fused.append(a[1].panels) or layer(*a, **k))
+    try:
+        model, fresh = tiny_model(), tiny_model(seed=1)
+        ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            assert fastpath.install(model, "exact") == "exact"
+            served = [kernels.panels_of(m) is not None for m in model.modules() if isinstance(m, nn.Linear)]
+            assert all(served) if layout == "panels" else not any(served)
+            cache = transformers.DynamicCache(config=model.config)
+            model(ids[:, :6], cache=cache)
+            model(ids[:, 6:7], cache=cache)  # a one-token step: the fused C layers
+            model.load_state_dict(fresh.state_dict())  # in place: the same storage, new values
+            fastpath.install(fresh, "exact")
+            for m in (model, fresh):
+                cache = transformers.DynamicCache(config=m.config)
+                m(ids[:, :6], cache=cache)
+                m.__dict__.setdefault("_out", []).append(m(ids[:, 6:9], cache=cache).logits)
+        assert torch.equal(model._out[0], fresh._out[0])
+        assert fused and set(fused) == {layout == "panels"}  # the C layers ran, on the layout served
+    finally:
+        kernels.layout.cache_clear()
 
 
 def _attention_reference(q, k, v, scale):
@@ -76,6 +134,10 @@ def _check_linear():
             tol = 1e-4 if dtype == torch.float32 else 1e-2
             torch.testing.assert_close(full.double(), exact.double(), atol=tol * k**0.5, rtol=tol)
             assert all(torch.equal(kernels.linear(x[r : r + 1], w), full[r : r + 1]) for r in range(9))
+            p = kernels.to_panels(w)
+            paneled = kernels.linear(x, w, None, p)
+            torch.testing.assert_close(paneled.double(), exact.double(), atol=tol * k**0.5, rtol=tol)
+            assert all(torch.equal(kernels.linear(x[r : r + 1], w, None, p), paneled[r : r + 1]) for r in range(9))
 
 
 @needs_kernel
