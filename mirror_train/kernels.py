@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import subprocess
@@ -703,13 +704,17 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("MIRROR_TRAIN_KERNELS", "~/.cache/mirror-train/kernels")).expanduser()
 
 
+def _build_key() -> str:
+    """What the compiled library depends on: its source, this CPU's flags, the -march."""
+    return hashlib.sha256((SOURCE + _cpu_flags() + _arch()).encode()).hexdigest()[:16]
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use (None where it cannot be: no compiler, not x86/Linux, a failed build)."""
     if platform.system() != "Linux":
         return None
-    key = hashlib.sha256((SOURCE + _cpu_flags() + _arch()).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"mirror_kernels_{key}.so"
+    path = _cache_dir() / f"mirror_kernels_{_build_key()}.so"
     if not path.exists():
         compiler = os.environ.get("CC", "cc")
         try:
@@ -825,16 +830,34 @@ LAYOUT_BYTES = 48 * 2**20  # the weights `layout` streams a timed call through: 
 def layout() -> str:
     """How the served linears' weights are laid out for the kernels on this machine: "rows" (the weight as it is, a
     block of weight rows x input rows, LANES partial sums an output) or "panels" (`to_panels`, one sum chain an
-    output). $MIRROR_TRAIN_KERNEL_LAYOUT (rows, panels, auto) decides; auto, the default, times both once per
-    process over LAYOUT_BYTES of float32 weights at one and eight rows (a one-token step and a verification window)
-    and takes the faster in sum. On an AVX2-only Zen 3 core panels took 0.66x / 0.82x the rows' time (docs/engine.md,
-    twenty-seventh session); the rows layout is tuned for AVX-512, where panels have not been measured yet."""
+    output; a second copy of the weights, the rows kept for the prefill's GEMM). $MIRROR_TRAIN_KERNEL_LAYOUT (rows,
+    panels, auto) decides; auto, the default, times both once per machine (kept with the compiled library) over
+    LAYOUT_BYTES of float32 weights at one and eight rows (a one-token step and a verification window) and takes the
+    faster in sum. On an AVX2-only Zen 3 core panels took 0.66x / 0.82x the rows' time (docs/engine.md,
+    twenty-seventh session); the rows layout was tuned on AVX-512 CPUs, where panels have not been measured yet."""
     name = os.environ.get("MIRROR_TRAIN_KERNEL_LAYOUT", "auto")
     if name in LAYOUTS:
         return name
     if name != "auto":
         raise ValueError(f"MIRROR_TRAIN_KERNEL_LAYOUT must be auto, rows or panels, got {name!r}")
-    return min(layout_times(), key=layout_times().get) if available() else "rows"
+    if not available():
+        return "rows"
+    # measured once per machine and kept beside the library: every process here (a Spec-Bench run resumed later,
+    # the engine's draft process) then serves the same function, which a measurement's noise could otherwise flip
+    path = _cache_dir() / f"layout_{_build_key()}.json"
+    try:
+        times = json.loads(path.read_text())
+        if set(times) != set(LAYOUTS):
+            raise ValueError(path)
+    except (OSError, ValueError):
+        times = layout_times()
+        try:
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+                json.dump(times, tmp)
+            Path(tmp.name).replace(path)  # atomic: a concurrent measurement's file or this one, whole
+        except OSError:
+            pass
+    return min(times, key=times.get)
 
 
 @functools.cache

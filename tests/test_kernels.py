@@ -41,18 +41,24 @@ def test_the_kernel_computes_the_linear_and_every_row_is_exact_whatever_the_rows
 
 
 @needs_kernel
-def test_panels_interleave_lanes_of_weight_rows_and_the_layout_is_chosen_once_by_measuring(monkeypatch):
+def test_panels_interleave_lanes_of_weight_rows_and_the_layout_is_measured_once_per_machine(monkeypatch, tmp_path):
     w = torch.arange(2 * kernels.lanes() + 3, dtype=torch.float32)[:, None].repeat(1, 5)  # row i holds i
     p = kernels.to_panels(w)
     assert p.shape == (3, 5, kernels.lanes()) and p.is_contiguous()
     assert torch.equal(p[1, 2], torch.arange(kernels.lanes(), 2 * kernels.lanes(), dtype=torch.float32))
     assert p[2, 0, 3:].eq(0).all()  # the padding
+    monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))  # the loaded library stays; the choice is kept here
+    monkeypatch.setenv("MIRROR_TRAIN_KERNEL_LAYOUT", "auto")
     kernels.layout.cache_clear()
     try:
-        monkeypatch.setenv("MIRROR_TRAIN_KERNEL_LAYOUT", "auto")
         times = kernels.layout_times()
         assert set(times) == set(kernels.LAYOUTS) and all(t > 0 for t in times.values())
         assert kernels.layout() == min(times, key=times.get)
+        (kept,) = tmp_path.glob("layout_*.json")
+        for text, chosen in (('{"rows": 1.0, "panels": 2.0}', "rows"), ("{not json", min(times, key=times.get))):
+            kept.write_text(text)  # another process's measurement, then a corrupt file (measured again)
+            kernels.layout.cache_clear()
+            assert kernels.layout() == chosen
         kernels.layout.cache_clear()
         monkeypatch.setenv("MIRROR_TRAIN_KERNEL_LAYOUT", "tiles")
         with pytest.raises(ValueError, match="auto, rows or panels"):
