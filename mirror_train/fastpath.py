@@ -9,7 +9,8 @@ embeddings) untouched:
   weights, float32 sums) and, in float32, the attention over the cache. The linear streams each weight row once a
   call whatever the rows, so an 8-token window costs about a one-token step; both compute every output in one
   fixed order, so a window equals its one-token steps bit for bit (`Target.exact_windows`, on every CPU), with one
-  attention call a layer instead of one a row.
+  attention call a layer instead of one a row. The linears read their weights as rows or as panels (a second,
+  interleaved copy: `kernels.layout`, measured once per machine).
 - `onednn`: oneDNN with its weights reordered once into its own blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`), from the row count measured to win per
   layer shape (it loses at 1–2 rows): where the kernels cannot be built.

@@ -275,6 +275,11 @@ LINEAR(BF16, uint16_t)
 #define VBCAST(p) (*(p))
 #endif
 #define PANEL_CHUNK 24 /* panels a pass over the rows: divisible by every PC, so each row group covers it whole */
+#ifndef PANEL_UNROLL
+#define PANEL_UNROLL 1 /* the k loop's unrolling (no change to the arithmetic) */
+#endif
+#define PRAGMA(x) _Pragma(#x)
+#define UNROLL(n) PRAGMA(GCC unroll n)
 /* NAME: the tile's function, R x C (C given as a number: the PC macros expand before they reach here) */
 #define PTILE(T, WT, NAME, R, C)                                                                                   \
 static void NAME(const float *x, int64_t ldx, const WT *p, int64_t K, const float *b, float *y, int64_t ldy) {     \
@@ -284,7 +289,7 @@ static void NAME(const float *x, int64_t ldx, const WT *p, int64_t K, const floa
     const float *xr[R];                                                                                            \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) xr[r] = x + r * ldx;                                       \
     const int64_t cs = K * LANES;                                                                                  \
-    for (int64_t k = 0; k < K; k++, p += LANES) {                                                                  \
+    UNROLL(PANEL_UNROLL) for (int64_t k = 0; k < K; k++, p += LANES) {                                            \
         vec w[C];                                                                                                  \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) w[c] = T##_LOAD(p + c * cs);                           \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                      \
