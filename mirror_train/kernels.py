@@ -275,11 +275,15 @@ LINEAR(BF16, uint16_t)
 #define VBCAST(p) (*(p))
 #endif
 #define PANEL_CHUNK 24 /* panels a pass over the rows: divisible by every PC, so each row group covers it whole */
-#ifndef PANEL_UNROLL
-#define PANEL_UNROLL 1 /* the k loop's unrolling (no change to the arithmetic) */
+/* Tiles of PANEL_PF_FROM rows and more, compute-bound, prefetch each panel PANEL_PF bytes ahead (non-temporal: read
+   once); left to the hardware prefetcher they waited on memory. On Zen 3 8 rows took 0.79x the time, 6 rows 0.90x,
+   1-2 rows (memory-bound) ran slower with it (docs/engine.md, twenty-seventh session). No change to the arithmetic. */
+#ifndef PANEL_PF
+#define PANEL_PF 4096
 #endif
-#define PRAGMA(x) _Pragma(#x)
-#define UNROLL(n) PRAGMA(GCC unroll n)
+#ifndef PANEL_PF_FROM
+#define PANEL_PF_FROM 3
+#endif
 /* NAME: the tile's function, R x C (C given as a number: the PC macros expand before they reach here) */
 #define PTILE(T, WT, NAME, R, C)                                                                                   \
 static void NAME(const float *x, int64_t ldx, const WT *p, int64_t K, const float *b, float *y, int64_t ldy) {     \
@@ -289,9 +293,12 @@ static void NAME(const float *x, int64_t ldx, const WT *p, int64_t K, const floa
     const float *xr[R];                                                                                            \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) xr[r] = x + r * ldx;                                       \
     const int64_t cs = K * LANES;                                                                                  \
-    UNROLL(PANEL_UNROLL) for (int64_t k = 0; k < K; k++, p += LANES) {                                            \
+    for (int64_t k = 0; k < K; k++, p += LANES) {                                                                  \
         vec w[C];                                                                                                  \
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) w[c] = T##_LOAD(p + c * cs);                           \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
+            w[c] = T##_LOAD(p + c * cs);                                                                           \
+            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, 0);               \
+        }                                                                                                          \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                      \
             vec xb = VBCAST(xr[r] + k);                                                                            \
             _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = VFMA(w[c], xb, acc[r][c]);             \
