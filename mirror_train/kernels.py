@@ -245,7 +245,7 @@ LINEAR(BF16, uint16_t)
    remain, and each panel is one contiguous stream. Every output is the chain fma(x[k], w[k], s) over k = 0..K-1
    from s = 0, then + bias, in any tile: a row's outputs do not depend on the rows of the call (row-exact), and they
    differ from the row layout's (LANES partial sums) in the last bits. On an AVX2-only Zen 3 core a one-row step's
-   linears took 0.66x and eight rows 0.82x the row layout's time (docs/engine.md, twenty-seventh session): a lone
+   linears took 0.66x and eight rows 0.77x the row layout's time (docs/engine.md, twenty-seventh session): a lone
    weight row's single FMA chain left the row layout's one-row call at ~19 GB/s. The tiles by R (C: as many panels
    as the registers hold beside R x C sums; one row takes 8 for its 8 independent chains): */
 #if LANES == 16
@@ -809,7 +809,7 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     w = weight.detach()
     if n % width:
         w = torch.cat([w, w.new_zeros(width - n % width, k)])
-    return w.view(-1, width, k).transpose(1, 2).contiguous()
+    return w.reshape(-1, width, k).transpose(1, 2).contiguous()  # any strides (a tied head's transpose)
 
 
 def panels_of(module: torch.nn.Module) -> torch.Tensor | None:
@@ -845,7 +845,7 @@ def layout() -> str:
     output; a second copy of the weights, the rows kept for the prefill's GEMM). $MIRROR_TRAIN_KERNEL_LAYOUT (rows,
     panels, auto) decides; auto, the default, times both once per machine (kept with the compiled library) over
     LAYOUT_BYTES of float32 weights at one and eight rows (a one-token step and a verification window) and takes the
-    faster in sum. On an AVX2-only Zen 3 core panels took 0.66x / 0.82x the rows' time (docs/engine.md,
+    faster in sum. On an AVX2-only Zen 3 core panels took 0.66x / 0.77x the rows' time (docs/engine.md,
     twenty-seventh session); the rows layout was tuned on AVX-512 CPUs, where panels have not been measured yet."""
     name = os.environ.get("MIRROR_TRAIN_KERNEL_LAYOUT", "auto")
     if name in LAYOUTS:
@@ -881,7 +881,7 @@ def layout_times(rounds: int = 3) -> dict[str, float]:
 
     gen = torch.Generator().manual_seed(0)
     shape = (1536, 576)
-    weights = [torch.rand(shape, generator=gen) - 0.5 for _ in range(max(1, LAYOUT_BYTES // (4 * 1536 * 576)))]
+    weights = [torch.rand(shape, generator=gen) - 0.5 for _ in range(max(1, LAYOUT_BYTES // (4 * shape[0] * shape[1])))]
     panels = [to_panels(w) for w in weights]
     x = torch.rand(8, shape[1], generator=gen)
     times: dict[tuple[str, int], list[float]] = {(name, r): [] for name in LAYOUTS for r in (1, 8)}
