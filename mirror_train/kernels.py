@@ -284,6 +284,113 @@ LINEAR(BF16, uint16_t)
 #ifndef PANEL_PF_FROM
 #define PANEL_PF_FROM 3
 #endif
+/* bfloat16 panels hold k-pairs: lane l's 32-bit word of pair j is (w[2j] low, w[2j+1] high) (`kernels.to_panels`;
+   an odd K's last high half is 0 and never read). One vector load then widens to two weight vectors with one
+   shift and one and (w[2j+1] is already its float32 bits once the low half is masked), where loading 8 bf16
+   and widening them (vpmovzxwd + shift) took a shuffle, a shift and a load for each vector: on Zen 3 3-row tiles
+   of bf16 panels streamed at 14-17 GB/s against float32's 21-23 (docs/engine.md, twenty-eighth session). Each
+   output's chain is still fma over k = 0..K-1 in order, so the bits are the widened float32 panels' own. */
+#if LANES == 16
+#define BF16_PAIR(p, lo, hi)                                                                                       \
+    do {                                                                                                           \
+        __m512i v_ = _mm512_loadu_si512((const void *)(p));                                                        \
+        lo = _mm512_castsi512_ps(_mm512_slli_epi32(v_, 16));                                                       \
+        hi = _mm512_castsi512_ps(_mm512_and_si512(v_, _mm512_set1_epi32((int)0xFFFF0000u)));                       \
+    } while (0)
+#elif LANES == 8
+#define BF16_PAIR(p, lo, hi)                                                                                       \
+    do {                                                                                                           \
+        __m256i v_ = _mm256_loadu_si256((const __m256i *)(p));                                                     \
+        lo = _mm256_castsi256_ps(_mm256_slli_epi32(v_, 16));                                                       \
+        hi = _mm256_castsi256_ps(_mm256_and_si256(v_, _mm256_set1_epi32((int)0xFFFF0000u)));                       \
+    } while (0)
+#else
+#define BF16_PAIR(p, lo, hi) (lo = bf16_to_f32((p)[0]), hi = bf16_to_f32((p)[1]))
+#endif
+/* The bf16 tile: per panel one pair load, its two k's applied to every row in order */
+#define PTILE_BF16(NAME, R, C)                                                                                     \
+static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, const float *b, float *y, int64_t ldy) { \
+    vec acc[R][C];                                                                                                 \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                            \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = VZERO();                                   \
+    const float *xr[R];                                                                                            \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) xr[r] = x + r * ldx;                                       \
+    const int64_t cs = (K + 1) / 2 * 2 * LANES;                                                                    \
+    int64_t k = 0;                                                                                                 \
+    for (; R >= BF16_BY_ROW && k + 2 <= K; k += 2, p += 2 * LANES) {                                              \
+        vec lo[C], hi[C];                                                                                          \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
+            BF16_PAIR(p + c * cs, lo[c], hi[c]);                                                                   \
+            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, 0);               \
+        }                                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                      \
+            vec xb = VBCAST(xr[r] + k);                                                                            \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = VFMA(lo[c], xb, acc[r][c]);            \
+        }                                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                      \
+            vec xb = VBCAST(xr[r] + k + 1);                                                                        \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = VFMA(hi[c], xb, acc[r][c]);            \
+        }                                                                                                          \
+    }                                                                                                              \
+    for (; k + 2 <= K; k += 2, p += 2 * LANES) {                                                                   \
+        vec x0[R], x1[R];                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                      \
+            x0[r] = VBCAST(xr[r] + k);                                                                             \
+            x1[r] = VBCAST(xr[r] + k + 1);                                                                         \
+        }                                                                                                          \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
+            vec lo, hi;                                                                                            \
+            BF16_PAIR(p + c * cs, lo, hi);                                                                         \
+            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, 0);               \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][c] = VFMA(lo, x0[r], acc[r][c]);            \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][c] = VFMA(hi, x1[r], acc[r][c]);            \
+        }                                                                                                          \
+    }                                                                                                              \
+    if (k < K) {                                                                                                   \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
+            vec lo, hi;                                                                                            \
+            BF16_PAIR(p + c * cs, lo, hi);                                                                         \
+            (void)hi;                                                                                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                    \
+                acc[r][c] = VFMA(lo, VBCAST(xr[r] + k), acc[r][c]);                                                \
+        }                                                                                                          \
+    }                                                                                                              \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                            \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)                                                        \
+            VSTORE(y + r * ldy + c * LANES, b ? VADD(acc[r][c], VLOAD(b + c * LANES)) : acc[r][c]);                \
+}
+#ifndef BF16_BY_ROW
+#define BF16_BY_ROW 3
+#endif
+/* bf16 tiles by rows: from BF16_BY_ROW rows a pass holds every panel's pair (2C registers) and broadcasts one input
+   at a time (R x C + 2C + 2 registers), below it each panel's pair is used up before the next (R x C + 2R + 3); the
+   C per R keeps that within the registers: past them GCC spilled sums to the stack and a 3 x 3 tile ran 12% and
+   a 4 x 3 tile 50% slower than the widening loads' tiles (Zen 3, docs/engine.md, twenty-eighth session). */
+#ifndef BPC1
+#if LANES == 16
+#define BPC1 8
+#define BPC2 8
+#define BPC3 4
+#define BPC4 4
+#define BPC5 3
+#define BPC6 3
+#define BPC7 3
+#define BPC8 2
+#else
+#define BPC1 8
+#define BPC2 4
+#define BPC3 2
+#define BPC4 2
+#define BPC5 2
+#define BPC6 1
+#define BPC7 1
+#define BPC8 1
+#endif
+#endif
+#define PTILE_F32(NAME, R, C) PTILE(F32, float, NAME, R, C)
+/* elements from one panel to the next */
+#define F32_PSTRIDE(K) ((K) * LANES)
+#define BF16_PSTRIDE(K) (((K) + 1) / 2 * 2 * LANES)
 /* NAME: the tile's function, R x C (C given as a number: the PC macros expand before they reach here) */
 #define PTILE(T, WT, NAME, R, C)                                                                                   \
 static void NAME(const float *x, int64_t ldx, const WT *p, int64_t K, const float *b, float *y, int64_t ldy) {     \
@@ -311,18 +418,18 @@ static void NAME(const float *x, int64_t ldx, const WT *p, int64_t K, const floa
 /* R rows over `panels` panels: tiles of C, then one panel at a time */
 #define PTILES(T, WT, R, C) PTILES_(T, WT, R, C)
 #define PTILES_(T, WT, R, C)                                                                                       \
-PTILE(T, WT, T##_ptile_##R##_##C, R, C) PTILE(T, WT, T##_ptile_##R##_one, R, 1)                                     \
+PTILE_##T(T##_ptile_##R##_##C, R, C) PTILE_##T(T##_ptile_##R##_one, R, 1)                                       \
 static void T##_ptile_##R(const float *x, int64_t ldx, const WT *p, int64_t K, const float *b, float *y,            \
                           int64_t ldy, int64_t panels) {                                                           \
     int64_t c = 0;                                                                                                 \
     for (; c + C <= panels; c += C)                                                                                \
-        T##_ptile_##R##_##C(x, ldx, p + c * K * LANES, K, b ? b + c * LANES : 0, y + c * LANES, ldy);              \
+        T##_ptile_##R##_##C(x, ldx, p + c * T##_PSTRIDE(K), K, b ? b + c * LANES : 0, y + c * LANES, ldy);         \
     for (; c < panels; c++)                                                                                        \
-        T##_ptile_##R##_one(x, ldx, p + c * K * LANES, K, b ? b + c * LANES : 0, y + c * LANES, ldy);              \
+        T##_ptile_##R##_one(x, ldx, p + c * T##_PSTRIDE(K), K, b ? b + c * LANES : 0, y + c * LANES, ldy);         \
 }
-#define PANEL_TILES(T, WT)                                                                                         \
-PTILES(T, WT, 1, PC1) PTILES(T, WT, 2, PC2) PTILES(T, WT, 3, PC3) PTILES(T, WT, 4, PC4)                            \
-PTILES(T, WT, 5, PC5) PTILES(T, WT, 6, PC6) PTILES(T, WT, 7, PC7) PTILES(T, WT, 8, PC8)                            \
+#define PANEL_TILES(T, WT, PC)                                                                                     \
+PTILES(T, WT, 1, PC##1) PTILES(T, WT, 2, PC##2) PTILES(T, WT, 3, PC##3) PTILES(T, WT, 4, PC##4)                    \
+PTILES(T, WT, 5, PC##5) PTILES(T, WT, 6, PC##6) PTILES(T, WT, 7, PC##7) PTILES(T, WT, 8, PC##8)                    \
 typedef void (*T##_prow_fn)(const float *, int64_t, const WT *, int64_t, const float *, float *, int64_t, int64_t); \
 static const T##_prow_fn T##_PROWS[9] = {0, T##_ptile_1, T##_ptile_2, T##_ptile_3, T##_ptile_4, T##_ptile_5,      \
                                          T##_ptile_6, T##_ptile_7, T##_ptile_8};                                  \
@@ -335,8 +442,8 @@ void linear_panels_##T(const float *x, int64_t ldx, const WT *p, const float *b,
         int64_t panels = full - c0 < PANEL_CHUNK ? full - c0 : PANEL_CHUNK;                                        \
         for (int64_t m = 0; m < M; m += 8) {                                                                       \
             int64_t r = M - m < 8 ? M - m : 8;                                                                     \
-            T##_PROWS[r](x + m * ldx, ldx, p + c0 * K * LANES, K, b ? b + c0 * LANES : 0, y + m * ldy + c0 * LANES, \
-                         ldy, panels);                                                                             \
+            T##_PROWS[r](x + m * ldx, ldx, p + c0 * T##_PSTRIDE(K), K, b ? b + c0 * LANES : 0,                    \
+                         y + m * ldy + c0 * LANES, ldy, panels);                                                   \
         }                                                                                                          \
     }                                                                                                              \
     int64_t rest = N - full * LANES;                                                                               \
@@ -345,14 +452,14 @@ void linear_panels_##T(const float *x, int64_t ldx, const WT *p, const float *b,
         for (int64_t i = 0; i < LANES; i++) bias[i] = b && i < rest ? b[full * LANES + i] : 0.0f;                  \
         for (int64_t m = 0; m < M; m += 8) {                                                                       \
             int64_t r = M - m < 8 ? M - m : 8;                                                                     \
-            T##_PROWS[r](x + m * ldx, ldx, p + full * K * LANES, K, b ? bias : 0, buf, LANES, 1);                  \
+            T##_PROWS[r](x + m * ldx, ldx, p + full * T##_PSTRIDE(K), K, b ? bias : 0, buf, LANES, 1);             \
             for (int64_t j = 0; j < r; j++)                                                                        \
                 for (int64_t i = 0; i < rest; i++) y[(m + j) * ldy + full * LANES + i] = buf[j * LANES + i];       \
         }                                                                                                          \
     }                                                                                                              \
 }
-PANEL_TILES(F32, float)
-PANEL_TILES(BF16, uint16_t)
+PANEL_TILES(F32, float, PC)
+PANEL_TILES(BF16, uint16_t, BPC)
 int kernel_lanes(void) { return LANES; }
 
 /* exp(x) for x <= 0 (a softmax's shifted scores): Cephes' expf polynomial after x = n ln2 + r, times 2^n. */
@@ -803,13 +910,20 @@ def lanes() -> int:
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
     """An (N, K) weight as the panel kernels read it: (⌈N / lanes⌉, K, lanes), LANES rows interleaved k-major, the
-    last panel padded with zero rows; same dtype, a new contiguous tensor (the weight itself is left as it is)."""
+    last panel padded with zero rows; same dtype, a new contiguous tensor (the weight itself is left as it is).
+    bfloat16 weights pair their k's: (⌈N / lanes⌉, ⌈K / 2⌉, lanes, 2), lane l of pair j holding w[l, 2j] and
+    w[l, 2j + 1] side by side (one 32-bit word: the kernel widens both with a shift and a mask), an odd K's last
+    pair padded with 0."""
     n, k = weight.shape
     width = lanes()
     w = weight.detach()
     if n % width:
         w = torch.cat([w, w.new_zeros(width - n % width, k)])
-    return w.reshape(-1, width, k).transpose(1, 2).contiguous()  # any strides (a tied head's transpose)
+    if w.dtype != torch.bfloat16:
+        return w.reshape(-1, width, k).transpose(1, 2).contiguous()  # any strides (a tied head's transpose)
+    if k % 2:
+        w = torch.cat([w, w.new_zeros(w.shape[0], 1)], dim=1)
+    return w.reshape(-1, width, (k + 1) // 2, 2).transpose(1, 2).contiguous()
 
 
 def panels_of(module: torch.nn.Module) -> torch.Tensor | None:

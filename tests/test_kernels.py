@@ -41,6 +41,24 @@ def test_the_kernel_computes_the_linear_and_every_row_is_exact_whatever_the_rows
 
 
 @needs_kernel
+@pytest.mark.parametrize("n,k", [(576, 576), (49, 1536), (7, 13), (5, 3), (3, 1)])
+def test_bfloat16_panels_pair_their_ks_and_compute_the_widened_float32_panels_bit_for_bit(n, k):
+    """bf16 panels hold (w[2j], w[2j+1]) in one 32-bit word (an odd K's last one padded); the kernel widens both
+    exactly and keeps each output's chain over k in order, so every row count gives the float32 panels' bits."""
+    g = torch.Generator().manual_seed(n * k)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(17, k, generator=g)
+    p = kernels.to_panels(w)
+    lanes = kernels.lanes()
+    assert p.shape == (-(-n // lanes), (k + 1) // 2, lanes, 2) and p.is_contiguous()
+    assert torch.equal(p[0, 0, : min(n, lanes), 0], w[:lanes, 0]) and (
+        k < 2 or torch.equal(p[0, 0, : min(n, lanes), 1], w[:lanes, 1])
+    )
+    wide = kernels.to_panels(w.float())
+    for rows in range(1, len(x) + 1):
+        assert torch.equal(kernels.linear(x[:rows], w, None, p), kernels.linear(x[:rows], w.float(), None, wide))
+
+
+@needs_kernel
 def test_panels_interleave_lanes_of_weight_rows_and_the_layout_is_measured_once_per_machine(monkeypatch, tmp_path):
     w = torch.arange(2 * kernels.lanes() + 3, dtype=torch.float32)[:, None].repeat(1, 5)  # row i holds i
     p = kernels.to_panels(w)
