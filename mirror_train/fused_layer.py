@@ -226,26 +226,25 @@ class FusedLayer(nn.Module):
         runs = attention._runs(mask)
         if runs is None and not attention._plain_causal_window(mask, T, past + T):
             return None
+        # the bookkeeping in Python lists, one tensor each at the end: a draft's forward makes this call every
+        # step over a handful of rows, where each small torch op costs microseconds
         if runs is None:  # a plain window: row i sees keys 0..past+i
-            first = past + torch.arange(T) + 1
-            runs = torch.stack([first, first, torch.zeros(T, dtype=torch.long)])
+            first = list(range(past + 1, past + T + 1))
+            n1, s2, n2 = first, first, [0] * T
+        else:
+            n1, s2, n2 = runs.tolist()
         rows, (cos, sin) = hidden, rope
         if K:
-            idx = torch.arange(T) if anchors is None else torch.as_tensor(anchors, dtype=torch.long).cpu()
-            if bool((runs[2, idx] != 0).any()):
+            idx = range(T) if anchors is None else [i % T for i in torch.as_tensor(anchors).tolist()]
+            if any(n2[i] for i in idx):
                 return None
-            j = torch.arange(S)
-            stream_runs = torch.stack(
-                [
-                    runs[0, idx].repeat_interleave(S),  # the anchor's keys 0..n1-1
-                    (past + T + torch.arange(K) * S).repeat_interleave(S),  # where each anchor's streams sit
-                    (j + 1).repeat(K),
-                ]
-            )
-            runs = torch.cat([runs, stream_runs], dim=1)
+            n1 = n1 + [n1[i] for i in idx for _ in range(S)]  # the anchor's keys 0..n1-1
+            s2 = s2 + [past + T + a * S for a in range(K) for _ in range(S)]  # where each anchor's streams sit
+            n2 = n2 + list(range(1, S + 1)) * K
             rows = torch.cat([hidden, streams.reshape(1, K * S, streams.shape[-1])], dim=1)
-            # each stream at its anchor's rotation
-            cos, sin = (torch.cat([r, r[:, idx].repeat_interleave(S, dim=1)], dim=1) for r in rope)
+            at = torch.tensor([*range(T), *(i for i in idx for _ in range(S))])  # each stream at its anchor's rotation
+            cos, sin = cos.index_select(1, at), sin.index_select(1, at)
+        runs = torch.tensor([n1, s2, n2])
         keys, values = layer.reserve(T + K * S)
         out = kernels.decoder_layer(rows, weights, cos, sin, keys, values, past, runs)
         layer.extend(T)

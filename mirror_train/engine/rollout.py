@@ -196,7 +196,9 @@ def keep_cache_path(cache: DynamicCache, committed_len: int, node_indices: Seque
         raise MirrorTrainError(f"committed_len {committed_len} is outside the cache's 0..{length}")
     if any(not 0 <= i < length - committed_len for i in node_indices):
         raise MirrorTrainError(f"node indices must be in 0..{length - committed_len - 1}, got {list(node_indices)}")
-    nodes = committed_len + torch.as_tensor(list(node_indices), dtype=torch.long)
+    node_indices = list(node_indices)
+    in_place = node_indices == list(range(len(node_indices)))  # a prefix of the uncommitted nodes: nothing moves
+    nodes = committed_len + torch.as_tensor(node_indices, dtype=torch.long)
     keep = torch.cat([torch.arange(committed_len), nodes])
     for layer in cache.layers:
         if layer.get_seq_length() == 0:
@@ -205,9 +207,9 @@ def keep_cache_path(cache: DynamicCache, committed_len: int, node_indices: Seque
             raise MirrorTrainError("keep_cache_path supports full-attention cache layers only")
         if isinstance(layer, GrowingLayer) and layer._views_of_buffers(length):
             # in place: the kept nodes' rows move down behind the committed ones, the view is shortened (the next
-            # update overwrites the rest); the committed rows are not copied
+            # update overwrites the rest); the committed rows are not copied, nor kept nodes already in place
             end = committed_len + len(nodes)
-            for buffer in (layer._key_buffer, layer._value_buffer):
+            for buffer in () if in_place else (layer._key_buffer, layer._value_buffer):
                 buffer[..., committed_len:end, :] = buffer.index_select(-2, nodes.to(buffer.device))
             layer.keys, layer.values = layer._key_buffer[..., :end, :], layer._value_buffer[..., :end, :]
             continue

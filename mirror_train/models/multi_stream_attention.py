@@ -93,22 +93,23 @@ def tree_mask(
     `_key_runs`): what the C layers read instead of it (attention._runs, fused_layer.py; CPU only).
     """
     m = len(parents)
-    ancestors = torch.eye(m, dtype=torch.bool)  # [i, k]: node k is node i or one of its ancestors
-    depth = torch.zeros(m, dtype=torch.long)
     paths: list[list[int]] = []  # each node's ancestors and itself, ascending
     for i, p in enumerate(parents):
         if not -1 <= p < i:
             raise MirrorTrainError(f"node {i} has parent {p}: a parent must be -1 or an earlier node")
         paths.append((paths[p] if p >= 0 else []) + [i])
-        if p >= 0:
-            ancestors[i] |= ancestors[p]
-            depth[i] = depth[p] + 1
-    allowed = torch.cat([torch.ones(num_new, committed, dtype=torch.bool), ancestors[m - num_new :]], dim=1)
+    new = paths[m - num_new :]
+    # built from index lists in a few torch calls: a draft builds one every tree forward, a handful of nodes each,
+    # where a torch op per node (the row-by-row ancestor matrix this replaced) cost more than the C layers' Python
+    allowed = torch.zeros(num_new, committed + m, dtype=torch.bool)
+    allowed[:, :committed] = True
+    rows = [r for r, path in enumerate(new) for _ in path]
+    allowed[rows, [committed + k for path in new for k in path]] = True
     mask = _additive(allowed, dtype)[None, None]
-    runs = _key_runs(paths[m - num_new :], committed) if key_runs else None
+    runs = _key_runs(new, committed) if key_runs else None
     if runs is not None:
         mask.key_runs = runs
-    return mask, depth[m - num_new :]
+    return mask, torch.tensor([len(path) - 1 for path in new], dtype=torch.long)
 
 
 def _key_runs(paths: Sequence[Sequence[int]], committed: int) -> torch.Tensor | None:
