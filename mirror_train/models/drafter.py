@@ -185,9 +185,10 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
         logits_index (K,) positions whose logits to compute (None: all T). The LM head dominates a small model's
         cost, and a rollout reads only a few positions.
         """
-        S = self.config.num_streams if num_streams is None else num_streams
-        if not 0 <= S <= self.config.num_streams:
-            raise MirrorTrainError(f"num_streams must be in 0..{self.config.num_streams}, got {num_streams}")
+        streams_max, first_stream = self.config.num_streams, self.first_stream_layer  # a config read costs µs
+        S = streams_max if num_streams is None else num_streams
+        if not 0 <= S <= streams_max:
+            raise MirrorTrainError(f"num_streams must be in 0..{streams_max}, got {num_streams}")
         B, T = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
         h = self.embed_tokens(input_ids)  # (B, T, H)
@@ -209,7 +210,7 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
 
         streams = None
         for i, layer in enumerate(self.layers):
-            if i < self.first_stream_layer:
+            if i < first_stream:
                 h = layer(
                     h,
                     attention_mask=mask,
@@ -219,7 +220,7 @@ class MirrorDrafterForCausalLM(PreTrainedModel):
                     position_embeddings=rope,
                 )
                 continue
-            if i == self.first_stream_layer and S:
+            if i == first_stream and S:
                 # streams only where logits are read: a stream is seen by nothing but its anchor's later streams
                 anchors = h if logits_index is None else h[:, logits_index]
                 streams = anchors[:, :, None, :] + self.stream_embeddings.weight[:S]  # (B, K, S, H): h_t + P_j
