@@ -275,14 +275,16 @@ LINEAR(BF16, uint16_t)
 #define VBCAST(p) (*(p))
 #endif
 #define PANEL_CHUNK 24 /* panels a pass over the rows: divisible by every PC, so each row group covers it whole */
-/* Tiles of PANEL_PF_FROM rows and more, compute-bound, prefetch each panel PANEL_PF bytes ahead (non-temporal: read
-   once); left to the hardware prefetcher they waited on memory. On Zen 3 8 rows took 0.79x the time, 6 rows 0.90x,
-   1-2 rows (memory-bound) ran slower with it (docs/engine.md, twenty-seventh session). No change to the arithmetic. */
+/* Tiles of PANEL_PF_FROM rows and more prefetch each panel PANEL_PF bytes ahead (non-temporal: read once); left to
+   the hardware prefetcher they waited on memory. The distance reaches a few panels ahead (a panel is 9-18 KB at
+   K = 576), into the tiles that come next: on Zen 3 64 KB against the 4 KB first tried took float32's 3-6 rows 0.82-
+   0.88x the time and bfloat16's 2-5 rows 0.74-0.79x, 8 rows ~0.97x (docs/engine.md, twenty-eighth session). One
+   row, which streams eight panels at once, ran slower with it. No change to the arithmetic. */
 #ifndef PANEL_PF
-#define PANEL_PF 4096
+#define PANEL_PF 65536
 #endif
 #ifndef PANEL_PF_FROM
-#define PANEL_PF_FROM 3
+#define PANEL_PF_FROM 2
 #endif
 /* bfloat16 panels hold k-pairs: lane l's 32-bit word of pair j is (w[2j] low, w[2j+1] high) (`kernels.to_panels`;
    an odd K's last high half is 0 and never read). One vector load then widens to two weight vectors with one

@@ -199,7 +199,6 @@ def keep_cache_path(cache: DynamicCache, committed_len: int, node_indices: Seque
     node_indices = list(node_indices)
     in_place = node_indices == list(range(len(node_indices)))  # a prefix of the uncommitted nodes: nothing moves
     nodes = committed_len + torch.as_tensor(node_indices, dtype=torch.long)
-    keep = torch.cat([torch.arange(committed_len), nodes])
     for layer in cache.layers:
         if layer.get_seq_length() == 0:
             continue
@@ -213,7 +212,7 @@ def keep_cache_path(cache: DynamicCache, committed_len: int, node_indices: Seque
                 buffer[..., committed_len:end, :] = buffer.index_select(-2, nodes.to(buffer.device))
             layer.keys, layer.values = layer._key_buffer[..., :end, :], layer._value_buffer[..., :end, :]
             continue
-        index = keep.to(layer.keys.device)
+        index = torch.cat([torch.arange(committed_len), nodes]).to(layer.keys.device)
         layer.keys = layer.keys.index_select(-2, index)  # (B, nkv, committed + k, d)
         layer.values = layer.values.index_select(-2, index)
 

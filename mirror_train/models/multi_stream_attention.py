@@ -101,11 +101,10 @@ def tree_mask(
     new = paths[m - num_new :]
     # built from index lists in a few torch calls: a draft builds one every tree forward, a handful of nodes each,
     # where a torch op per node (the row-by-row ancestor matrix this replaced) cost more than the C layers' Python
-    allowed = torch.zeros(num_new, committed + m, dtype=torch.bool)
-    allowed[:, :committed] = True
+    mask = torch.full((1, 1, num_new, committed + m), torch.finfo(dtype).min, dtype=dtype)
+    mask[..., :committed] = 0
     rows = [r for r, path in enumerate(new) for _ in path]
-    allowed[rows, [committed + k for path in new for k in path]] = True
-    mask = _additive(allowed, dtype)[None, None]
+    mask[0, 0, rows, [committed + k for path in new for k in path]] = 0
     runs = _key_runs(new, committed) if key_runs else None
     if runs is not None:
         mask.key_runs = runs
