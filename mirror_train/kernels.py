@@ -1126,7 +1126,8 @@ def decoder_layer(
     r = (None,) * 3
     if runs is not None:
         runs = runs.to(torch.int64).contiguous()
-        r = tuple(runs[j].data_ptr() for j in range(3))
+        first, row = runs.data_ptr(), runs.stride(0) * 8  # the three rows' addresses, without three views
+        r = (first, first + row, first + 2 * row)
     _library().decoder_layer_f32(
         out.data_ptr(),
         m,
