@@ -235,7 +235,7 @@ class FusedLayer(nn.Module):
             n1, s2, n2 = runs.tolist()
         rows, (cos, sin) = hidden, rope
         if K:
-            idx = range(T) if anchors is None else [i % T for i in torch.as_tensor(anchors).tolist()]
+            idx = range(T) if anchors is None else [i + T if i < 0 else i for i in torch.as_tensor(anchors).tolist()]
             if any(n2[i] for i in idx):
                 return None
             n1 = n1 + [n1[i] for i in idx for _ in range(S)]  # the anchor's keys 0..n1-1

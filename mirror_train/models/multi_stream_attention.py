@@ -99,8 +99,8 @@ def tree_mask(
             raise MirrorTrainError(f"node {i} has parent {p}: a parent must be -1 or an earlier node")
         paths.append((paths[p] if p >= 0 else []) + [i])
     new = paths[m - num_new :]
-    # built from index lists in a few torch calls: a draft builds one every tree forward, a handful of nodes each,
-    # where a torch op per node (the row-by-row ancestor matrix this replaced) cost more than the C layers' Python
+    # a few torch calls on index lists, none per node: a draft builds one every tree forward of a handful of nodes,
+    # where each small torch op costs microseconds
     mask = torch.full((1, 1, num_new, committed + m), torch.finfo(dtype).min, dtype=dtype)
     mask[..., :committed] = 0
     rows = [r for r, path in enumerate(new) for _ in path]
