@@ -309,30 +309,37 @@ LINEAR(BF16, uint16_t)
 #else
 #define BF16_PAIR(p, lo, hi) (lo = bf16_to_f32((p)[0]), hi = bf16_to_f32((p)[1]))
 #endif
-/* The bf16 tile: per panel one pair load, its two k's applied to every row in order */
-#define PTILE_BF16(NAME, R, C)                                                                                     \
-static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, const float *b, float *y, int64_t ldy) { \
+/* A tile's R x C sums from 0 and its R input rows; then the sums (+ bias) into y */
+#define PTILE_OPEN(R, C)                                                                                            \
     vec acc[R][C];                                                                                                 \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                            \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = VZERO();                                   \
     const float *xr[R];                                                                                            \
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) xr[r] = x + r * ldx;                                       \
-    const int64_t cs = (K + 1) / 2 * 2 * LANES;                                                                    \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) xr[r] = x + r * ldx;
+#define PTILE_CLOSE(R, C)                                                                                           \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                            \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)                                                        \
+            VSTORE(y + r * ldy + c * LANES, b ? VADD(acc[r][c], VLOAD(b + c * LANES)) : acc[r][c]);
+/* every row's input at k times the C weight vectors W, into the sums */
+#define PTILE_FMA(R, C, W, k)                                                                                      \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                          \
+        vec xb = VBCAST(xr[r] + (k));                                                                              \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = VFMA(W[c], xb, acc[r][c]);                 \
+    }
+/* The bf16 tile: per panel one pair load, its two k's applied to every row in order */
+#define PTILE_BF16(NAME, R, C)                                                                                     \
+static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, const float *b, float *y, int64_t ldy) { \
+    PTILE_OPEN(R, C)                                                                                               \
+    const int64_t cs = BF16_PSTRIDE(K);                                                                            \
     int64_t k = 0;                                                                                                 \
-    for (; R >= BF16_BY_ROW && k + 2 <= K; k += 2, p += 2 * LANES) {                                              \
+    for (; R >= BF16_BY_ROW && k + 2 <= K; k += 2, p += 2 * LANES) {                                               \
         vec lo[C], hi[C];                                                                                          \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             BF16_PAIR(p + c * cs, lo[c], hi[c]);                                                                   \
             if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, 0);               \
         }                                                                                                          \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                      \
-            vec xb = VBCAST(xr[r] + k);                                                                            \
-            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = VFMA(lo[c], xb, acc[r][c]);            \
-        }                                                                                                          \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                      \
-            vec xb = VBCAST(xr[r] + k + 1);                                                                        \
-            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = VFMA(hi[c], xb, acc[r][c]);            \
-        }                                                                                                          \
+        PTILE_FMA(R, C, lo, k);                                                                                    \
+        PTILE_FMA(R, C, hi, k + 1);                                                                                \
     }                                                                                                              \
     for (; k + 2 <= K; k += 2, p += 2 * LANES) {                                                                   \
         vec x0[R], x1[R];                                                                                          \
@@ -357,9 +364,7 @@ static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, cons
                 acc[r][c] = VFMA(lo, VBCAST(xr[r] + k), acc[r][c]);                                                \
         }                                                                                                          \
     }                                                                                                              \
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                            \
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)                                                        \
-            VSTORE(y + r * ldy + c * LANES, b ? VADD(acc[r][c], VLOAD(b + c * LANES)) : acc[r][c]);                \
+    PTILE_CLOSE(R, C)                                                                                              \
 }
 #ifndef BF16_BY_ROW
 #define BF16_BY_ROW 3
@@ -396,26 +401,17 @@ static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, cons
 /* NAME: the tile's function, R x C (C given as a number: the PC macros expand before they reach here) */
 #define PTILE(T, WT, NAME, R, C)                                                                                   \
 static void NAME(const float *x, int64_t ldx, const WT *p, int64_t K, const float *b, float *y, int64_t ldy) {     \
-    vec acc[R][C];                                                                                                 \
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                            \
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = VZERO();                                   \
-    const float *xr[R];                                                                                            \
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) xr[r] = x + r * ldx;                                       \
-    const int64_t cs = K * LANES;                                                                                  \
+    PTILE_OPEN(R, C)                                                                                               \
+    const int64_t cs = F32_PSTRIDE(K);                                                                             \
     for (int64_t k = 0; k < K; k++, p += LANES) {                                                                  \
         vec w[C];                                                                                                  \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             w[c] = T##_LOAD(p + c * cs);                                                                           \
             if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, 0);               \
         }                                                                                                          \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                      \
-            vec xb = VBCAST(xr[r] + k);                                                                            \
-            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = VFMA(w[c], xb, acc[r][c]);             \
-        }                                                                                                          \
+        PTILE_FMA(R, C, w, k);                                                                                     \
     }                                                                                                              \
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                            \
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)                                                        \
-            VSTORE(y + r * ldy + c * LANES, b ? VADD(acc[r][c], VLOAD(b + c * LANES)) : acc[r][c]);                \
+    PTILE_CLOSE(R, C)                                                                                              \
 }
 /* R rows over `panels` panels: tiles of C, then one panel at a time */
 #define PTILES(T, WT, R, C) PTILES_(T, WT, R, C)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
+import platform
+import shutil
 
 import pytest
 import torch
@@ -13,6 +16,15 @@ from mirror_train import fastpath, fused_layer, kernels
 from mirror_train.errors import MirrorTrainError
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the kernel")
+
+
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.machine() != "x86_64" or not shutil.which(os.environ.get("CC", "cc")),
+    reason="the kernels build on x86-64 Linux with a C compiler only",
+)
+def test_the_kernels_build_wherever_there_is_a_compiler():
+    """A source that no longer compiles would otherwise pass as every kernel test skipping."""
+    assert kernels.available()
 
 
 @needs_kernel
