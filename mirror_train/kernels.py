@@ -289,9 +289,10 @@ LINEAR(BF16, uint16_t)
 /* bfloat16 panels hold k-pairs: lane l's 32-bit word of pair j is (w[2j] low, w[2j+1] high) (`kernels.to_panels`;
    an odd K's last high half is 0 and never read). One vector load then widens to two weight vectors with one
    shift and one and (w[2j+1] is already its float32 bits once the low half is masked), where loading 8 bf16
-   and widening them (vpmovzxwd + shift) took a shuffle, a shift and a load for each vector: on Zen 3 3-row tiles
-   of bf16 panels streamed at 14-17 GB/s against float32's 21-23 (docs/engine.md, twenty-eighth session). Each
-   output's chain is still fma over k = 0..K-1 in order, so the bits are the widened float32 panels' own. */
+   and widening them (vpmovzxwd + shift) took a shuffle, a shift and a load for each vector: on Zen 3 one- and
+   two-row calls took 0.83-0.94x the time, 3+ rows the same (their gap to float32's rate closed with the prefetch
+   above; docs/engine.md, twenty-eighth session). Each output's chain is still fma over k = 0..K-1 in order, so the
+   bits are the widened float32 panels' own. */
 #if LANES == 16
 #define BF16_PAIR(p, lo, hi)                                                                                       \
     do {                                                                                                           \
@@ -326,6 +327,34 @@ LINEAR(BF16, uint16_t)
         vec xb = VBCAST(xr[r] + (k));                                                                              \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = VFMA(W[c], xb, acc[r][c]);                 \
     }
+#ifndef BF16_BY_ROW
+#define BF16_BY_ROW 3
+#endif
+/* bf16 tiles by rows: from BF16_BY_ROW rows a pass holds every panel's pair (2C registers) and broadcasts one input
+   at a time (R x C + 2C + 2 registers), below it each panel's pair is used up before the next (R x C + 2R + 3); the
+   C per R keeps that within the registers: past them GCC spilled sums to the stack and a 3 x 3 tile ran 12% and
+   a 4 x 3 tile 50% slower than the widening loads' tiles (Zen 3, docs/engine.md, twenty-eighth session). */
+#ifndef BPC1
+#if LANES == 16
+#define BPC1 8
+#define BPC2 8
+#define BPC3 4
+#define BPC4 4
+#define BPC5 3
+#define BPC6 3
+#define BPC7 3
+#define BPC8 2
+#else
+#define BPC1 8
+#define BPC2 4
+#define BPC3 2
+#define BPC4 2
+#define BPC5 2
+#define BPC6 1
+#define BPC7 1
+#define BPC8 1
+#endif
+#endif
 /* The bf16 tile: per panel one pair load, its two k's applied to every row in order */
 #define PTILE_BF16(NAME, R, C)                                                                                     \
 static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, const float *b, float *y, int64_t ldy) { \
@@ -366,34 +395,6 @@ static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, cons
     }                                                                                                              \
     PTILE_CLOSE(R, C)                                                                                              \
 }
-#ifndef BF16_BY_ROW
-#define BF16_BY_ROW 3
-#endif
-/* bf16 tiles by rows: from BF16_BY_ROW rows a pass holds every panel's pair (2C registers) and broadcasts one input
-   at a time (R x C + 2C + 2 registers), below it each panel's pair is used up before the next (R x C + 2R + 3); the
-   C per R keeps that within the registers: past them GCC spilled sums to the stack and a 3 x 3 tile ran 12% and
-   a 4 x 3 tile 50% slower than the widening loads' tiles (Zen 3, docs/engine.md, twenty-eighth session). */
-#ifndef BPC1
-#if LANES == 16
-#define BPC1 8
-#define BPC2 8
-#define BPC3 4
-#define BPC4 4
-#define BPC5 3
-#define BPC6 3
-#define BPC7 3
-#define BPC8 2
-#else
-#define BPC1 8
-#define BPC2 4
-#define BPC3 2
-#define BPC4 2
-#define BPC5 2
-#define BPC6 1
-#define BPC7 1
-#define BPC8 1
-#endif
-#endif
 #define PTILE_F32(NAME, R, C) PTILE(F32, float, NAME, R, C)
 /* elements from one panel to the next */
 #define F32_PSTRIDE(K) ((K) * LANES)
