@@ -395,19 +395,18 @@ static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, cons
     }                                                                                                              \
     PTILE_CLOSE(R, C)                                                                                              \
 }
-#define PTILE_F32(NAME, R, C) PTILE(F32, float, NAME, R, C)
 /* elements from one panel to the next */
 #define F32_PSTRIDE(K) ((K) * LANES)
 #define BF16_PSTRIDE(K) (((K) + 1) / 2 * 2 * LANES)
-/* NAME: the tile's function, R x C (C given as a number: the PC macros expand before they reach here) */
-#define PTILE(T, WT, NAME, R, C)                                                                                   \
-static void NAME(const float *x, int64_t ldx, const WT *p, int64_t K, const float *b, float *y, int64_t ldy) {     \
+/* The float32 tile, NAME its function, R x C (C given as a number: the PC macros expand before they reach here) */
+#define PTILE_F32(NAME, R, C)                                                                                      \
+static void NAME(const float *x, int64_t ldx, const float *p, int64_t K, const float *b, float *y, int64_t ldy) {  \
     PTILE_OPEN(R, C)                                                                                               \
     const int64_t cs = F32_PSTRIDE(K);                                                                             \
     for (int64_t k = 0; k < K; k++, p += LANES) {                                                                  \
         vec w[C];                                                                                                  \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
-            w[c] = T##_LOAD(p + c * cs);                                                                           \
+            w[c] = F32_LOAD(p + c * cs);                                                                           \
             if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, 0);               \
         }                                                                                                          \
         PTILE_FMA(R, C, w, k);                                                                                     \
@@ -1014,6 +1013,13 @@ def layout_times(rounds: int = 3) -> dict[str, float]:
     return {name: sum(statistics.median(times[(name, r)][1:]) for r in (1, 8)) for name in LAYOUTS}
 
 
+def _run_pointers(runs: torch.Tensor) -> tuple[int, int, int]:
+    """The addresses of a contiguous (3, M) int64 key-runs tensor's rows (n1, s2, n2), as the C calls take them:
+    arithmetic on one data_ptr, not three row views (a draft's forward makes a few of these calls each step)."""
+    first, row = runs.data_ptr(), runs.stride(0) * runs.element_size()
+    return first, first + row, first + 2 * row
+
+
 def attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, rows: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -1032,8 +1038,8 @@ def attention(
         key, value = key.contiguous(), value.contiguous()
     runs = (None,) * 3
     if rows is not None:
-        rows = rows.to(torch.int64).contiguous()
-        runs = tuple(rows[j].data_ptr() for j in range(3))
+        rows = rows.to(torch.int64).contiguous()  # kept alive here while the call reads it
+        runs = _run_pointers(rows)
     out = torch.empty(1, n_rows, heads, dim, dtype=torch.float32)
     scratch = torch.empty(RB_MAX * length, dtype=torch.float32)  # the source's RB_MAX rows of scores
     _library().attention_f32(
@@ -1122,9 +1128,8 @@ def decoder_layer(
     cos, sin = cos.reshape(m, -1).contiguous(), sin.reshape(m, -1).contiguous()
     r = (None,) * 3
     if runs is not None:
-        runs = runs.to(torch.int64).contiguous()
-        first, row = runs.data_ptr(), runs.stride(0) * 8  # the three rows' addresses, without three views
-        r = (first, first + row, first + 2 * row)
+        runs = runs.to(torch.int64).contiguous()  # kept alive here while the call reads it
+        r = _run_pointers(runs)
     _library().decoder_layer_f32(
         out.data_ptr(),
         m,
