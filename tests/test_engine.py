@@ -15,7 +15,7 @@ import torch
 
 from mirror_train.engine import EngineConfig, MirrorEngine, SyntheticDraftConfig
 from mirror_train.engine.acceptance import accept, truncate
-from mirror_train.engine.branches import fit_budget, rank_branches
+from mirror_train.engine.branches import expected_overrun, plan_rollout, rank_branches, rollout_line
 from mirror_train.engine.channel import ProcessDraft
 from mirror_train.engine.rollout import rollout, rollout_tree
 from mirror_train.engine.window import expected_committed
@@ -113,14 +113,67 @@ def test_rank_branches_orders_by_probability_and_skips_the_spine():
     assert tie == [(0, 6, 0.25), (1, 8, 0.25)]
 
 
-def test_fit_budget_fits_a_line_and_clamps():
-    samples = [(1, 10.0), (8, 45.0)]  # ms = 5 + 5·n
-    assert fit_budget(samples, 30.0, 8) == 5
-    assert fit_budget(samples, 1000.0, 8) == 8  # clamped to the budget
-    assert fit_budget(samples, 1.0, 8) == 1  # never fewer than one branch
-    assert fit_budget([(4, 10.0), (4, 30.0)], 1.0, 8) == 8  # one distinct count: no line, the whole budget
-    assert fit_budget([], 1.0, 8) == 8
-    assert fit_budget(samples, None, 8) == 8
+def test_rollout_line_fits_the_measured_times():
+    assert rollout_line([(1, 10.0), (8, 45.0)]) == pytest.approx((5.0, 5.0))  # ms = 5 + 5·n
+    assert rollout_line([(4, 10.0), (4, 30.0)]) is None  # one distinct count: nothing to fit yet
+    assert rollout_line([]) is None
+
+
+def test_expected_overrun_is_the_mean_wait_past_a_noisy_deadline():
+    assert expected_overrun(10.0, 20.0, 0.0) == 0.0
+    assert expected_overrun(25.0, 20.0, 0.0) == 5.0
+    assert expected_overrun(20.0, 20.0, 2.0) == pytest.approx(2.0 / math.sqrt(2 * math.pi))  # σ·φ(0)
+    # far from the deadline the spread hardly matters; it always costs something near it
+    assert expected_overrun(10.0, 20.0, 1.0) < 1e-12
+    assert expected_overrun(30.0, 20.0, 1.0) == pytest.approx(10.0)
+    assert expected_overrun(19.0, 20.0, 2.0) > 0
+
+
+def test_plan_rollout_weighs_passes_spared_against_the_wait_past_the_suffix():
+    line, gamma, pass_ms = (4.0, 0.5), 4, 1.2  # a whole-window rollout: 4 + 0.5·n ms; ~1 ms a pass
+    probs = [0.4, 0.2, 0.1, 0.05, 0.02, 0.01]
+    # a long suffix: every branch to full depth
+    assert plan_rollout(probs, line, gamma, 100.0, pass_ms, 1.0, 0.1)[:2] == (4, 6)
+    # a short one: the likeliest branches only, still deep (a pass spared is worth more than a long-shot branch)
+    depth, n, _ = plan_rollout(probs, line, gamma, 6.0, pass_ms, 1.0, 0.1)
+    assert depth == 4 and 1 <= n < 6
+    # shorter still: shallower rather than keep the target waiting for a whole window
+    depth, n, _ = plan_rollout(probs, line, gamma, 2.5, pass_ms, 1.0, 0.1)
+    assert depth < 4
+    # a branch rolled out beside the ranked ones (the look-ahead's completion) takes its share of the time
+    alone, beside = (
+        plan_rollout(probs, line, gamma, 6.0, pass_ms, 1.0, 0.1),
+        plan_rollout(probs, line, gamma, 6.0, pass_ms, 1.0, 0.1, rider=0.0),
+    )
+    assert beside[1] < alone[1] and beside[2] < alone[2]
+    assert plan_rollout([0.0] * 6, line, gamma, 6.0, pass_ms, 1.0, 0.1, rider=0.9)[:2] == (4, 0)  # the rider alone
+    # with no suffix to hide it in, nothing is worth rolling out
+    assert plan_rollout(probs, line, gamma, 0.0, pass_ms, 1.0, 0.1)[2] < 0
+    assert plan_rollout([], line, gamma, 6.0, pass_ms, 1.0, 0.1) == (4, 0, 0.0)
+    # free work: every branch, full depth
+    assert plan_rollout(probs, (0.0, 0.0), gamma, 6.0, 0.0, 0.0, 0.1)[:2] == (4, 6)
+
+
+def test_synthetic_draft_draws_once_per_position():
+    """The same proposal for the same context whichever rollout asks, and the same for every run of the sequence:
+    methods compared on a prompt meet the same hard positions (drafts.SyntheticDraftConfig)."""
+    from mirror_train.engine.drafts import SyntheticDraft
+
+    cfg = SyntheticDraftConfig(acceptance=0.5, forward_ms=0, num_streams=0)
+    prompt, reference = [1, 2, 3], [(7 * i) % 90 + 5 for i in range(400)]
+    a, b = SyntheticDraft(cfg, 100), SyntheticDraft(cfg, 100)
+    a.reset(prompt, reference)
+    b.reset(prompt, reference)
+    tree = a.rollout([3, reference[0]], [(0, None), (1, None), (0, reference[0])], 4)
+    a.keep(0)
+    assert tree[1].tokens == tree[2].tokens  # two branches over the same context
+    assert a.rollout([3], [(0, None)], 4)[0].tokens == tree[0].tokens == b.rollout([3], [(0, None)], 4)[0].tokens
+    # each on-track position right with probability `acceptance`
+    right = []
+    for n in range(len(reference) - 1):
+        a.keep(0)
+        right.append(a.rollout(prompt[-1:] + reference[:n], [(n, None)], 1)[0].tokens == [reference[n]])
+    assert 0.4 < sum(right) / len(right) < 0.6
 
 
 def test_expected_committed():
@@ -213,20 +266,25 @@ def test_a_synthetic_draft_at_any_acceptance_is_lossless(target, prompts, refere
 
 
 def test_the_rollout_shape_trades_depth_for_branches_within_the_suffix():
-    """With room for 2 whole-window branches, 8 branches of depth 2 save more expected passes when the needed branch
-    is spread over many; with a dominant branch, full depth wins; unmeasured, the whole budget at full depth."""
+    """With room for about 2 whole-window branches, 8 branches of depth 2 spare more expected passes when the needed
+    branch is spread over many; with a dominant branch, full depth wins; the look-ahead's completion takes its share;
+    no suffix, no rollout; unmeasured, the whole budget at full depth."""
     from mirror_train.engine.drafts import SyntheticDraft
     from mirror_train.engine.server import DraftServer
 
     server = DraftServer(SyntheticDraft(SyntheticDraftConfig(), 100), branch_budget=8)
     server.gamma = 4
     spread = [(0, c, 0.1) for c in range(8)]
-    assert server._shape(spread, 12.0) == (4, 8)  # nothing measured yet
+    assert server._shape(spread, 12.0, None) == (4, 8, True)  # nothing measured yet
     server.samples.extend([(1, 10.0), (8, 24.0)])  # a whole-window rollout: 8 ms + 2 ms a branch
-    assert server._shape(spread, 12.0) == (2, 8)  # depth 4 fits 2 (value 0.8); depth 2 fits 8 (1.6)
+    assert server._shape(spread, 12.0, None) == (2, 8, True)
     dominant = [(0, 0, 0.9)] + [(0, c, 0.01) for c in range(1, 8)]
-    assert server._shape(dominant, 12.0) == (4, 2)
-    assert server._shape(spread, 1000.0) == (4, 8)
+    assert server._shape(dominant, 12.0, None) == (4, 1, True)
+    assert server._shape(spread, 1000.0, None) == (4, 8, True)
+    assert not server._shape(spread, 0.0, None)[2]
+    # a look-ahead sure to be needed rides alone; one of the usual odds takes a branch's share of the time
+    assert server._shape([(0, 0, 0.0)] * 8, 12.0, 1.0)[1:] == (0, True)
+    assert server._shape(spread, 12.0, 0.3)[1] < 8
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -238,7 +296,7 @@ def test_branches_rolled_out_short_of_the_window_are_completed_and_stay_lossless
     from mirror_train.engine.server import DraftServer
 
     gamma = 3
-    monkeypatch.setattr(DraftServer, "_shape", lambda self, ranked, deadline: (depth, len(ranked)))
+    monkeypatch.setattr(DraftServer, "_shape", lambda self, ranked, suffix, rider: (depth, len(ranked), True))
     cfg = EngineConfig(kappa=4, gamma=gamma, branch_budget=6, placement="local", look_ahead=False, **FIXED)
     for draft in (SyntheticDraftConfig(acceptance=0.7, forward_ms=0, num_streams=0), conditioned_draft):
         with MirrorEngine(target, None, draft, cfg) as engine:
@@ -269,7 +327,9 @@ def test_the_drafts_look_ahead_serves_the_whole_window_branch(
         for prompt, ref in zip(prompts, references):
             g = engine.generate(prompt, MAX_NEW, method="mirror", stop=[], reference=ref)
             assert g.tokens == ref
-            assert all(s.reused and s.draft_forwards == 0 for s in g.steps[1:-1])
+            assert all(s.reused and s.draft_forwards == 0 for s in g.steps[1:-1]), [
+                (s.reused, s.draft_forwards, s.branches, s.window, s.accepted) for s in g.steps
+            ]
     if placement == "local":
         with MirrorEngine(target, None, conditioned_draft, cfg) as engine:
             for prompt, ref in zip(prompts, references):
@@ -305,10 +365,14 @@ def test_a_look_ahead_without_the_branch_rollout_that_did_not_pay(target, prompt
     [("lens", "target", 16), ("lens", "draft", None), ("mlp", "draft", 16), ("mlp", "target", None)],
 )
 def test_where_the_proxy_head_runs_and_what_it_scores_never_change_the_output(
-    target, draft, prompts, references, kind, head_placement, candidate_vocab
+    target, draft, prompts, references, kind, head_placement, candidate_vocab, monkeypatch
 ):
     """On the draft's side the head gets ℓe states instead of candidates; restricted to a candidate vocabulary, a
     drafted token outside it has no proxy log-prob. Both change only the branches."""
+    from mirror_train.engine.server import DraftServer
+
+    # beside the tiny target's suffix (a fraction of a ms) no rollout would pay: every branch, as a real suffix has room
+    monkeypatch.setattr(DraftServer, "_shape", lambda self, ranked, suffix, rider: (self.gamma, len(ranked), True))
     placed = {"head_placement": head_placement, "candidate_vocab": candidate_vocab}
     # every window the draft's (copies="draft"): the random draft is not worth asking beside the engine's own copies
     cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", copies="draft", **placed)

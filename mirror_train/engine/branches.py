@@ -10,8 +10,8 @@ log-probs at every window position):
     P(c* = c | A=r) = p_proxy(c | r) / (1 − a_r)   for c ≠ d_{r+1} (c* is not the drafted token when it stops at r)
     score(r, c)     = P(A = r) · P(c* = c | A = r) = P(A ≥ r) · p_proxy(c | r)
 
-and roll out the best B (ties: the earlier position first). B is the configured budget, or fewer when the draft's
-measured cost says B would not finish within the target's measured suffix time (`fit_budget`).
+and roll out the best B (ties: the earlier position first). B is the configured budget, or fewer, and the depth γ or
+less, as `plan_rollout` weighs what the draft's measured cost lets finish within the target's suffix time.
 """
 
 from __future__ import annotations
@@ -56,20 +56,6 @@ def rank_branches(
     return [(r, c, score) for score, r, c in scored[:budget]]
 
 
-def fit_budget(samples: Sequence[tuple[int, float]], deadline_ms: float | None, budget: int) -> int:
-    """The most branches (1..budget) whose predicted rollout time fits `deadline_ms` (the target's suffix).
-
-    samples: recent (branches, ms) rollout measurements; a least-squares line ms = a + b·n predicts the time. With
-    fewer than two distinct branch counts measured, or no deadline, the whole budget (the measurements then come).
-    """
-    line = rollout_line(samples)
-    if deadline_ms is None or line is None:
-        return budget
-    base, slope = line
-    fits = int((deadline_ms - base) // slope)
-    return max(1, min(budget, fits))
-
-
 def rollout_line(samples: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
     """(a, b) of the least-squares line ms = a + b·branches through `samples`; None with < 2 distinct counts."""
     if len({n for n, _ in samples}) < 2:
@@ -79,3 +65,50 @@ def rollout_line(samples: Sequence[tuple[int, float]]) -> tuple[float, float] | 
     var = sum((n - n_mean) ** 2 for n, _ in samples)
     slope = max(sum((n - n_mean) * (t - t_mean) for n, t in samples) / var, 1e-6)
     return t_mean - slope * n_mean, slope
+
+
+def expected_overrun(ms: float, deadline_ms: float, spread_ms: float) -> float:
+    """E[max(0, ms − D)] for a deadline D ~ Normal(deadline_ms, spread_ms): what a rollout of `ms` keeps the target
+    waiting on average when the target's suffix time varies step to step."""
+    if spread_ms <= 0:
+        return max(0.0, ms - deadline_ms)
+    z = (ms - deadline_ms) / spread_ms
+    cdf = 0.5 * (1 + math.erf(z / math.sqrt(2)))
+    pdf = math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+    return (ms - deadline_ms) * cdf + spread_ms * pdf
+
+
+def plan_rollout(
+    probs: Sequence[float],
+    line: tuple[float, float],
+    gamma: int,
+    suffix_ms: float,
+    pass_ms: float,
+    finish_ms: float,
+    spread: float,
+    rider: float | None = None,
+) -> tuple[int, int, float]:
+    """(depth, branches, value) of the branch rollout that saves the target the most waiting in expectation.
+
+    probs: the ranked branches' probabilities of being the one needed (best first); line: (a, b) of the whole-window
+    rollout time a + b·branches (`rollout_line`); suffix_ms: the target's expected remaining suffix time; pass_ms:
+    what a serial pass costs the waiting target, finish_ms: a serial rollout's cost beyond its passes; spread: the
+    suffix time's relative standard deviation; rider: the probability of a branch rolled out whenever anything is
+    (the look-ahead's completion), if there is one.
+    A hit on a branch of depth δ spares δ serial passes after the verdict, and the whole serial rollout (its
+    overhead too) at δ = γ; a rollout that outlasts the suffix keeps the target waiting for the rest of it. Of
+    plans worth the same, the most branches at the greatest depth (work that costs nothing). Value < 0: nothing is
+    worth rolling out; no branches at all: (γ, 0, 0.0).
+    """
+    best = (gamma, 0, 0.0 if rider is None and not probs else -math.inf)
+    hit = rider or 0.0
+    ride = rider is not None
+    for n in range(0 if ride else 1, len(probs) + 1):
+        hit += probs[n - 1] if n else 0.0
+        whole = line[0] + line[1] * (n + ride)
+        for depth in range(1, gamma + 1):
+            saved = hit * (depth * pass_ms + (finish_ms if depth == gamma else 0.0))
+            value = saved - expected_overrun(whole * depth / gamma, suffix_ms, spread * suffix_ms)
+            if value >= best[2] - 1e-9:
+                best = (depth, n, value)
+    return best

@@ -89,11 +89,15 @@ class ModelDraft:
 class SyntheticDraftConfig:
     """A draft that replays the target's own greedy continuation with injected errors, at a chosen cost.
 
-    Each token it proposes on a correct context is right with probability `acceptance` (independently), else a
-    wrong id; on a context already off the reference it is wrong. A forward costs `forward_ms` plus `node_ms` per
-    tree node beyond the first (a real draft's tree forward grows with its nodes: 7.2 → 20.2 ms from 1 to 32 nodes
-    for the testbed-cut draft, shared/docs/testbed.md), spent in `time.sleep` on the draft's own core. A rollout
-    takes ⌈γ / (1 + num_streams)⌉ forwards, as the streaming draft's does.
+    Its proposal for reference position n on a correct context is right with probability `acceptance`, drawn once
+    per position (a greedy draft proposes the same token for the same context, whichever rollout asks), else a
+    wrong id; on a context already off the reference it is wrong. The draws depend on the seed and the sequence
+    alone, so methods run on the same prompt meet the same hard positions and their comparison is paired (with a
+    fresh draw per proposal, Mirror-SD's tokens a step on the same six prompts ranged 2.71–3.15 between runs). A
+    forward costs `forward_ms` plus `node_ms` per tree node beyond the first (a real draft's tree forward grows with
+    its nodes: 7.2 → 20.2 ms from 1 to 32 nodes for the testbed-cut draft, shared/docs/testbed.md), spent in
+    `time.sleep` on the draft's own core. A rollout takes ⌈γ / (1 + num_streams)⌉ forwards, as the streaming draft's
+    does.
     """
 
     acceptance: float = 0.8
@@ -117,8 +121,8 @@ class SyntheticDraft:
         self.num_streams = cfg.num_streams
         self.widths: dict[str, int] = {}  # reads nothing
         self.vocab_size = vocab_size
-        self.rng = random.Random(cfg.seed)
         self.reference: list[int] = []
+        self.right: list[bool] = []  # whether its proposal for each reference position is right (`reset`)
         self.rollouts = 0
         self.context: list[int] = []  # the committed tokens it has "cached"
         self.spine: list[int] = []
@@ -127,6 +131,9 @@ class SyntheticDraft:
         if reference is None:
             raise MirrorTrainError("the synthetic draft needs the target's reference continuation of each prompt")
         self.reference = list(prompt) + list(reference)
+        # one draw per reference position, from a seed of the sequence (str seeds hash deterministically)
+        rng = random.Random(f"{self.cfg.seed}/{len(prompt)}/{','.join(map(str, self.reference[-32:]))}")
+        self.right = [rng.random() < self.cfg.acceptance for _ in self.reference]
         self.context = list(prompt[:-1])
         self.spine = []
 
@@ -146,7 +153,7 @@ class SyntheticDraft:
             for _ in range(gamma):
                 n = len(ctx)
                 truth = self.reference[n] if n < len(self.reference) else 0
-                right = on_track and n < len(self.reference) and self.rng.random() < self.cfg.acceptance
+                right = on_track and n < len(self.reference) and self.right[n]
                 tok = truth if right else (truth + 1) % self.vocab_size
                 on_track = on_track and right
                 drafted.append(tok)
