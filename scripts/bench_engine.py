@@ -30,6 +30,10 @@ def pick_prompts(path, per_task: int):
     return [(TASKS[q.category], q) for q in load_questions(path, None, per_task)]
 
 
+# StepStats times summed for the step breakdown (`print_steps`)
+PARTS = ("step_ms", "prefix_ms", "head_ms", "suffix_ms", "wait_ms", "branch_ms", "fallback_ms")
+
+
 def run_methods(engine, prompts, references, methods, max_new_tokens):
     """Every method on every prompt, methods interleaved per prompt (a noisy machine drifts between them)."""
     rows = []
@@ -52,6 +56,10 @@ def run_methods(engine, prompts, references, methods, max_new_tokens):
                     "omegas": [s.omega for s in g.steps if s.omega is not None],
                     "branches": statistics.mean([s.branches for s in steps]) if steps else 0.0,
                     "wait_ms": statistics.mean([s.wait_ms for s in steps]) if steps else 0.0,
+                    # where a step goes: summed over the verification steps, divided per step in `aggregate`
+                    **{k: sum(getattr(s, k) for s in steps) for k in PARTS},
+                    "reused_steps": sum(s.reused is True for s in steps),
+                    "missed_steps": sum(s.reused is False for s in steps),
                 }
             )
     return rows
@@ -75,7 +83,41 @@ def aggregate(rows, method):
         "lossless": all(r["lossless"] for r in mine),
         "branches": statistics.mean(r["branches"] for r in mine),
         "wait_ms": statistics.mean(r["wait_ms"] for r in mine),
+        "per_step": per_step(mine),
     }
+
+
+def per_step(rows) -> dict:
+    """Means a verification step: each of PARTS, the tokens it committed, and the shares of steps whose next window
+    was a branch rolled out during the target's suffix (reused) or was drafted after the verdict (missed)."""
+    steps = max(sum(r["windows"] for r in rows), 1)
+    out = {k: sum(r[k] for r in rows) / steps for k in PARTS}
+    out["committed"] = sum(r["window_tokens"] for r in rows) / steps
+    out["reused"] = sum(r["reused_steps"] for r in rows) / steps
+    out["missed"] = sum(r["missed_steps"] for r in rows) / steps
+    return out
+
+
+def print_steps(table) -> None:
+    """Where a drafting method's verification step goes, at each acceptance rate (means over its steps, ms)."""
+    print(
+        "\nWhere a verification step goes (means a step, ms; the wait is for the next window after the verdict; "
+        "reused / missed: the next window was a branch rolled out during the suffix / drafted after the verdict)\n"
+    )
+    print(
+        "| acceptance | method | step | prefix | head | suffix | wait | branch rollout | fallback | tokens a step | "
+        "ms a token | reused | missed |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in table:
+        for method in ("sd", "mirror"):
+            p = row["methods"][method]["per_step"]
+            print(
+                f"| {row['acceptance']:.1f} | {method} | {p['step_ms']:.1f} | {p['prefix_ms']:.1f} | "
+                f"{p['head_ms']:.1f} | {p['suffix_ms']:.1f} | {p['wait_ms']:.1f} | {p['branch_ms']:.1f} | "
+                f"{p['fallback_ms']:.1f} | {p['committed']:.2f} | {p['step_ms'] / max(p['committed'], 1e-9):.1f} | "
+                f"{p['reused']:.2f} | {p['missed']:.2f} |"
+            )
 
 
 def fmt(x, digits=2):
@@ -189,6 +231,7 @@ def main() -> None:
                 f"{fmt(m['mean_accepted'])} | {fmt(m['reuse_rate'])} | {fmt(m['hit'])} | "
                 f"{fmt(m['overlap_efficiency'])} | {a['lossless'] and s['lossless'] and m['lossless']} |"
             )
+        print_steps(table)
 
     # --- part 2: the trained draft -------------------------------------------------------------------------------
     if args.draft:
