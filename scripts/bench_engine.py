@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from mirror_train.devices import cpu_model
 from mirror_train.engine import EngineConfig, MirrorEngine, SyntheticDraftConfig
 from mirror_train.eval.questions import TASKS, load_questions
 from mirror_train.prompts import default_specbench_file
@@ -170,7 +171,7 @@ def main() -> None:
         adaptive_window=args.adaptive_window,
         fast_path=args.fast_path,
     )
-    result = {"args": vars(args), "config": asdict(base), "prompts": [p.id for _, p in prompts]}
+    result = {"args": vars(args), "config": asdict(base), "prompts": [p.id for _, p in prompts], "cpu": cpu_model()}
 
     # --- the reference: target-only answers, and the target's time per token ------------------------------------
     with MirrorEngine(target, args.proxy_head, None, base) as engine:
