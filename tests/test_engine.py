@@ -248,6 +248,24 @@ def test_an_attention_proxy_head_with_its_own_cache_stays_lossless(target, draft
             assert engine.generate(prompt, MAX_NEW, method="mirror", stop=[]).tokens == ref
 
 
+def test_a_proxy_head_beside_the_target_runs_on_the_fast_path_and_leaves_the_targets_alone(
+    target, draft, prompts, references
+):
+    """On the target's critical path the head's linears take the fastest path per call (it only proposes); the
+    target's own modules keep theirs, so every method's output stays the target's."""
+    from mirror_train import fastpath
+
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", head_placement="target")
+    head = proxy_head(target, "mlp")
+    with MirrorEngine(target, head, draft, cfg) as engine:
+        assert isinstance(engine.head.fc1, fastpath.RoutedLinear)
+        assert isinstance(engine.head.lm_head.proj, fastpath.RoutedLinear)
+        assert not any(isinstance(m, fastpath.RoutedLinear) for m in target.model.modules())
+        for prompt, ref in zip(prompts, references):
+            for method in ("ar", "mirror"):
+                assert engine.generate(prompt, MAX_NEW, method=method, stop=[]).tokens == ref, method
+
+
 @pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
 def test_a_synthetic_draft_at_any_acceptance_is_lossless(target, prompts, references, acceptance):
     gamma = 3
