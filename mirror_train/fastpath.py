@@ -169,6 +169,13 @@ def install(model: nn.Module, kind: str = "auto") -> str:
     return kind
 
 
+def install_head(head: nn.Module, kind: str) -> None:
+    """`install` on a proxy head and on its LM head, which it holds apart from its modules (the target's rows, or its
+    candidate vocabulary's): where it runs, on the draft's side or beside the target, it only proposes."""
+    for module in (head.requires_grad_(False), head.lm_head):
+        install(module, kind)
+
+
 def _widen_activations(model: nn.Module) -> bool:
     """Serve a half-precision draft with float32 activations on its half-precision linear weights, on a CPU with
     the kernels, where its decoder layers are ones the C layer computes: everything but the linears' weights (and

@@ -31,8 +31,9 @@ def pick_prompts(path, per_task: int):
     return [(TASKS[q.category], q) for q in load_questions(path, None, per_task)]
 
 
-# StepStats times summed for the step breakdown (`print_steps`)
-PARTS = ("step_ms", "prefix_ms", "head_ms", "suffix_ms", "wait_ms", "branch_ms", "fallback_ms")
+# StepStats times summed over a generation's verification steps for the step breakdown (`per_step`), beside its
+# step_ms
+PARTS = ("prefix_ms", "head_ms", "suffix_ms", "wait_ms", "branch_ms", "fallback_ms")
 
 
 def run_methods(engine, prompts, references, methods, max_new_tokens):
@@ -57,8 +58,7 @@ def run_methods(engine, prompts, references, methods, max_new_tokens):
                     "omegas": [s.omega for s in g.steps if s.omega is not None],
                     "branches": statistics.mean([s.branches for s in steps]) if steps else 0.0,
                     "wait_ms": statistics.mean([s.wait_ms for s in steps]) if steps else 0.0,
-                    # where a step goes: summed over the verification steps, divided per step in `aggregate`
-                    **{k: sum(getattr(s, k) for s in steps) for k in PARTS},
+                    "sums": {k: sum(getattr(s, k) for s in steps) for k in PARTS},  # divided per step in `per_step`
                     "reused_steps": sum(s.reused is True for s in steps),
                     "missed_steps": sum(s.reused is False for s in steps),
                 }
@@ -89,11 +89,11 @@ def aggregate(rows, method):
 
 
 def per_step(rows) -> dict:
-    """Means a verification step: each of PARTS, the tokens it committed, and the shares of steps whose next window
-    was a branch rolled out during the target's suffix (reused) or was drafted after the verdict (missed)."""
+    """Means a verification step: its time and each of PARTS, and the shares of steps whose next window was a branch
+    rolled out during the target's suffix (reused) or was drafted after the verdict (missed)."""
     steps = max(sum(r["windows"] for r in rows), 1)
-    out = {k: sum(r[k] for r in rows) / steps for k in PARTS}
-    out["committed"] = sum(r["window_tokens"] for r in rows) / steps
+    out = {"step_ms": sum(r["step_ms"] for r in rows) / steps}
+    out |= {k: sum(r["sums"][k] for r in rows) / steps for k in PARTS}
     out["reused"] = sum(r["reused_steps"] for r in rows) / steps
     out["missed"] = sum(r["missed_steps"] for r in rows) / steps
     return out
@@ -112,11 +112,12 @@ def print_steps(table) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in table:
         for method in ("sd", "mirror"):
-            p = row["methods"][method]["per_step"]
+            a = row["methods"][method]
+            p, tokens = a["per_step"], a["mean_accepted"]
             print(
                 f"| {row['acceptance']:.1f} | {method} | {p['step_ms']:.1f} | {p['prefix_ms']:.1f} | "
                 f"{p['head_ms']:.1f} | {p['suffix_ms']:.1f} | {p['wait_ms']:.1f} | {p['branch_ms']:.1f} | "
-                f"{p['fallback_ms']:.1f} | {p['committed']:.2f} | {p['step_ms'] / max(p['committed'], 1e-9):.1f} | "
+                f"{p['fallback_ms']:.1f} | {tokens:.2f} | {p['step_ms'] / tokens:.1f} | "
                 f"{p['reused']:.2f} | {p['missed']:.2f} |"
             )
 

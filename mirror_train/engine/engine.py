@@ -115,10 +115,9 @@ class MirrorEngine:
             # Beside the target it sits on the target's critical path, and it only proposes, so its linears take the
             # fastest path per call, as on the draft's side (channel.build_server). On torch's default float32 path
             # a 5-row window over 16,384 candidate rows cost the target's step 7.7–8.4 ms on a Zen 4 EPYC
-            # (docs/engine.md, thirtieth session). Its LM head is held apart from its modules; the attention kind
-            # runs the target's own layer code, and a LoRA'd head is peft's.
-            for module in (self.head.requires_grad_(False), self.head.lm_head):
-                fastpath.install(module, fastpath.for_draft(cfg.draft_fast_path))
+            # (docs/engine.md, thirtieth session). The attention kind runs the target's own layer code, and a LoRA'd
+            # head is peft's.
+            fastpath.install_head(self.head, fastpath.for_draft(cfg.draft_fast_path))
         self.stops = set(stop_token_ids(target.tokenizer, target.config)) if target.tokenizer is not None else set()
         self._tmp = tempfile.TemporaryDirectory(prefix="mirror-engine-")  # what the worker loads: draft, head bundle
         # the worker's spec, and the target's states the draft reads (exit, final): they cross every step
