@@ -41,8 +41,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mirror_train import attention, fused_layer, kernels
-from mirror_train.alignment import align_parameters
+from mirror_train import alignment, attention, fused_layer, kernels
 from mirror_train.devices import resolve_dtype
 from mirror_train.errors import MirrorTrainError
 from mirror_train.timing import median_ms
@@ -118,7 +117,7 @@ def install(model: nn.Module, kind: str = "auto") -> str:
     if kind == "none":
         fused_layer.install(model, False)
         return kind
-    align_parameters(model)  # a draft loaded from its artifact: weights that straddle cache lines (alignment.py)
+    alignment.align_parameters(model)  # a draft as loaded: weights that straddle lines, 4 KiB pages (alignment.py)
     if kind == "fastest" and _widen_activations(model):
         param = next(model.parameters())
     attention.use_kernel(model, kind == "exact")
@@ -137,21 +136,21 @@ def install(model: nn.Module, kind: str = "auto") -> str:
     if kind == "exact":
         for module in linears:
             module.__class__ = ExactLinear
-            if panels and module.weight.dtype in kernels.WEIGHT_DTYPES:
-                kernels.serve_panels(module)
+        if panels:
+            kernels.serve_panels(*[m for m in linears if m.weight.dtype in kernels.WEIGHT_DTYPES])
         return kind
     if kind == "fastest":
         paths = ["torch"]
         paths += ["onednn"] if onednn_packs(linears[0].weight.dtype) else []
         paths += ["exact"] if param.dtype in kernels.WEIGHT_DTYPES and kernels.available() else []
         routes: dict[tuple, tuple[str, ...]] = {}
+        if panels and "exact" in paths:  # every contiguous weight's (the kernel reads them in place), one arena
+            kernels.serve_panels(*[m for m in linears if m.weight.is_contiguous()])
         for module in linears:
             module.__class__ = RoutedLinear
             if "onednn" in paths:
                 module.repack()
             contiguous = module.weight.is_contiguous()  # the kernel reads (N, K) rows in place
-            if panels and "exact" in paths and contiguous:
-                kernels.serve_panels(module)
             shape = (tuple(module.weight.shape), module.bias is not None, module.weight.dtype, contiguous)
             if shape not in routes:
                 routes[shape] = _routes(module, [p for p in paths if p != "exact" or contiguous], param.dtype)
@@ -235,13 +234,13 @@ def _routes(
     count = 1
     if cold:
         count = max(1, min(ROUTE_COPIES, ROUTE_COLD_BYTES // max(1, weight.numel() * weight.element_size())))
-    copies = [weight.clone() for _ in range(count)] if count > 1 else [weight]
+    copies = alignment.pack([weight] * count) if count > 1 else [weight]  # on huge pages, as served
     packed = []
     if "onednn" in paths:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in copies] if count > 1 else [linear._packed]
     panels = [None] * count
     if "exact" in paths and kernels.panels_of(linear) is not None:  # timed as served: on its own panels
-        panels = [kernels.to_panels(w) for w in copies]
+        panels = alignment.pack([kernels.to_panels(w) for w in copies])
     turn = [0]  # one counter for every timed call: a copy is read again only after all the others
 
     def call(x: torch.Tensor, path: str) -> torch.Tensor:

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from mirror_train import alignment
 from mirror_train.devices import cpuinfo
 
 RB_MAX = 4  # the attention kernel's rows a group (its source's RB_MAX): its scratch holds their scores
@@ -933,17 +934,19 @@ def panels_of(module: torch.nn.Module) -> torch.Tensor | None:
     panels, ptr, version = entry
     w = module.weight
     if w.data_ptr() != ptr or w._version != version:
-        panels = serve_panels(module)
+        panels = serve_panels(module)[0]
     return panels
 
 
-def serve_panels(module: torch.nn.Module) -> torch.Tensor:
-    """Keep a panel copy of `module.weight` beside it (the weight stays: a prefill's GEMM and anything that borrows
-    it read the rows), for `linear(..., panels=panels_of(module))`."""
-    w = module.weight
-    panels = to_panels(w)
-    module.__dict__["_panels"] = (panels, w.data_ptr(), w._version)
-    return panels
+def serve_panels(*modules: torch.nn.Module) -> list[torch.Tensor]:
+    """Keep a panel copy of each module's weight beside it (the weight stays: a prefill's GEMM and anything that
+    borrows it read the rows), for `linear(..., panels=panels_of(module))`; all of them in one arena of huge pages
+    (alignment.pack: a model's panels are streamed like its weights). Returns them."""
+    placed = alignment.pack([to_panels(m.weight) for m in modules])
+    for module, panels in zip(modules, placed, strict=True):
+        w = module.weight
+        module.__dict__["_panels"] = (panels, w.data_ptr(), w._version)
+    return placed
 
 
 LAYOUTS = ("rows", "panels")
@@ -994,7 +997,8 @@ def layout_times(rounds: int = 3) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     shape = (1536, 576)
     weights = [torch.rand(shape, generator=gen) - 0.5 for _ in range(max(1, LAYOUT_BYTES // (4 * shape[0] * shape[1])))]
-    panels = [to_panels(w) for w in weights]
+    weights = alignment.pack(weights)  # on huge pages, as served weights are (alignment.py)
+    panels = alignment.pack([to_panels(w) for w in weights])
     x = torch.rand(8, shape[1], generator=gen)
     times: dict[tuple[str, int], list[float]] = {(name, r): [] for name in LAYOUTS for r in (1, 8)}
     threads = torch.get_num_threads()

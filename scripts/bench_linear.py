@@ -21,7 +21,7 @@ import time
 import torch
 from bench_attention import baseline_module
 
-from mirror_train import kernels
+from mirror_train import alignment, kernels
 from mirror_train.devices import cpu_model
 from mirror_train.timing import torch_threads
 
@@ -49,7 +49,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     weights = [torch.randn(o, i, generator=gen).to(dtype) for _ in range(args.layers) for o, i in LAYER]
     weights.append(torch.randn(*HEAD, generator=gen).to(dtype))
-    panels = [kernels.to_panels(w) for w in weights]
+    weights = alignment.pack(weights)  # on huge pages, as the served weights are (alignment.py)
+    panels = alignment.pack([kernels.to_panels(w) for w in weights])
     xs = {k: torch.randn(16, k, generator=gen) for k in (576, 1536)}
     rows = [int(r) for r in args.rows.split(",")]
     panels_of = {id(w): p for w, p in zip(weights, panels)}

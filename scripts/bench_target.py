@@ -3,8 +3,9 @@ the default and the fast forward path (mirror_train/fastpath.py), one thread, as
 
     python scripts/bench_target.py [--draft DIR] [--context 300] [--json]
 
-- bandwidth: a `torch` sum over a 1 GB float32 tensor, one thread (GB/s); floor: the target's weight bytes at
-  that bandwidth (a one-token step must read every weight once);
+- bandwidth: a `torch` sum over a 1 GB float32 tensor, one thread (GB/s), on 4 KiB pages and on huge pages (where
+  the served weights live, alignment.py); floor: the target's weight bytes at the faster of the two (a one-token
+  step must read every weight once);
 - step_ms / default_step_ms: median ms of a forward of 1, 2, 4, 8, 16 new tokens after `--context` cached
   positions (the cache cropped back after each), on the fast path (`auto`: the row-exact kernels where they build)
   and on torch's default path (its linears, the row-invariant attention's one SDPA call a row); onednn_step_ms the
@@ -27,7 +28,7 @@ import json
 
 import torch
 
-from mirror_train import fastpath, kernels
+from mirror_train import alignment, fastpath, kernels
 from mirror_train.devices import cpu_model
 from mirror_train.target import Target
 from mirror_train.timing import interleaved_median_ms, median_ms, torch_threads
@@ -35,8 +36,11 @@ from mirror_train.timing import interleaved_median_ms, median_ms, torch_threads
 WIDTHS = (1, 2, 4, 8, 16)
 
 
-def read_bandwidth_gbs(gigabytes: float = 1.0) -> float:
-    x = torch.ones(int(gigabytes * 2**30 / 4))
+def read_bandwidth_gbs(gigabytes: float = 1.0, huge_pages: bool = False) -> float:
+    """GB/s of a one-thread `torch` sum over `gigabytes` of float32, on 4 KiB pages or on the huge pages the served
+    weights live on (alignment.py)."""
+    n = int(gigabytes * 2**30 / 4)
+    x = alignment.huge_empty(4 * n).view(torch.float32).fill_(1.0) if huge_pages else torch.ones(n)
     ms = median_ms(lambda: x.sum(), repeats=5, warmup=1)
     return x.numel() * 4 / ms / 1e6
 
@@ -111,7 +115,9 @@ def main() -> None:
     targets["fast"] = Target.load(args.target)
     kind = fastpath.install(targets["fast"].model, "auto")
     with torch_threads(1), torch.inference_mode():
-        bandwidth = read_bandwidth_gbs()
+        # the floor from the faster of the two: the hardware's rate, whichever pages reach it
+        bandwidths = {pages: read_bandwidth_gbs(huge_pages=pages == "huge") for pages in ("4k", "huge")}
+        bandwidth = max(bandwidths.values())
         times = step_times(targets, args.context, args.repeats)
     default, fast, onednn = times["default"], times["fast"], times.get("onednn")
     result = {
@@ -122,6 +128,8 @@ def main() -> None:
         "context": args.context,
         "weight_bytes": weights,
         "bandwidth_gbs": round(bandwidth, 2),
+        "bandwidth_by_pages_gbs": {pages: round(b, 2) for pages, b in bandwidths.items()},
+        "huge_page_mb": round((alignment.huge_page_bytes() or 0) / 2**20),  # the weights', every copy's
         "floor_ms": round(weights / bandwidth / 1e6, 2),
         "step_ms": {w: round(t, 2) for w, t in fast.items()},
         "default_step_ms": {w: round(t, 2) for w, t in default.items()},
@@ -146,6 +154,7 @@ def main() -> None:
         print(json.dumps(result))
         return
     print(f"{result['cpu']}: {result['bandwidth_gbs']} GB/s read, floor {result['floor_ms']} ms ({kind} fast path)")
+    print(f"read GB/s by pages: {result['bandwidth_by_pages_gbs']}; on huge pages: {result['huge_page_mb']} MB")
     print("| new tokens | default ms | oneDNN ms | fast ms | fast / floor | fast / one-token fast |")
     print("|---|---|---|---|---|---|")
     for w in WIDTHS:

@@ -256,7 +256,7 @@ def test_a_loaded_target_streams_its_weights_from_aligned_lines_with_its_ties_an
     keeping tied weights one Parameter."""
     from transformers import AutoModelForCausalLM
 
-    from mirror_train.alignment import align_parameters
+    from mirror_train.alignment import align_parameters, placed
 
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     target = Target.load(tiny_model_dir)
@@ -266,3 +266,4 @@ def test_a_loaded_target_streams_its_weights_from_aligned_lines_with_its_ties_an
     tied = target.model.config.tie_word_embeddings
     assert (target.lm_head.weight is target.decoder.embed_tokens.weight) == tied
     assert align_parameters(target.model) == 0  # idempotent
+    assert all(placed(p) for p in target.model.parameters())  # in the arena of huge pages (where Linux has them)
