@@ -44,8 +44,9 @@ def huge_empty(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive while any view of it lives
     offset = -whole.data_ptr() % HUGE_PAGE
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE, offset, size)
+    try:  # not for less than half a huge page: one would be committed whole for a few small tensors
+        if 2 * nbytes >= HUGE_PAGE:
+            region.madvise(mmap.MADV_HUGEPAGE, offset, size)
     except OSError:  # refused (THP disabled, an old kernel): 4 KiB pages, still aligned
         pass
     start = whole.data_ptr()
