@@ -144,6 +144,9 @@ def main() -> None:
     ap.add_argument("--head-placement", default=d.head_placement, choices=["target", "draft"])
     ap.add_argument("--ngram-tokens", type=int, default=d.ngram_tokens, help="prompt lookup (part 2; 0: off)")
     ap.add_argument("--adaptive-window", action=argparse.BooleanOptionalAction, default=d.adaptive_window)
+    ap.add_argument(
+        "--lookup-roots", action=argparse.BooleanOptionalAction, default=d.lookup_roots, help="c* guesses from lookup"
+    )
     ap.add_argument("--fast-path", default=d.fast_path, choices=["auto", "exact", "onednn", "none"])
     ap.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument(
@@ -170,6 +173,7 @@ def main() -> None:
         draft_dtype=args.draft_dtype,
         ngram_tokens=args.ngram_tokens,
         adaptive_window=args.adaptive_window,
+        lookup_roots=args.lookup_roots,
         fast_path=args.fast_path,
     )
     result = {"args": vars(args), "config": asdict(base), "prompts": [p.id for _, p in prompts], "cpu": cpu_model()}

@@ -15,7 +15,7 @@ import torch
 
 from mirror_train.engine import EngineConfig, MirrorEngine, SyntheticDraftConfig
 from mirror_train.engine.acceptance import accept, truncate
-from mirror_train.engine.branches import expected_overrun, plan_rollout, rank_branches, rollout_line
+from mirror_train.engine.branches import expected_overrun, plan_rollout, rank_branches, rollout_line, with_lookup
 from mirror_train.engine.channel import ProcessDraft
 from mirror_train.engine.rollout import rollout, rollout_tree
 from mirror_train.engine.window import expected_committed
@@ -111,6 +111,48 @@ def test_rank_branches_orders_by_probability_and_skips_the_spine():
     # A tie (1 · 0.5/0.5 · 0.25 = 0.5 · 0.5) goes to the earlier position.
     tie = rank_branches([5], [[6], [8]], [[math.log(0.25)], [math.log(0.5)]], [math.log(0.5)], [0.5], budget=2)
     assert tie == [(0, 6, 0.25), (1, 8, 0.25)]
+
+
+def test_prompt_lookups_guess_for_c_star_joins_the_ranking_at_its_learnt_odds():
+    """with_lookup: a guess c at r scores P(A = r) · q in rank_branches (q = P(c* = c | A = r)); a token the head
+    already proposes keeps the larger log-prob; the drafted token is the spine, never a branch."""
+    window = [5, 7]
+    cand_ids = [[5, 3], [9, 7], [4, 6]]
+    cand_logp = [[math.log(p) for p in row] for row in ([0.6, 0.3], [0.5, 0.4], [0.7, 0.2])]
+    window_logp = [math.log(0.6), math.log(0.4)]
+    accept_prob = [0.8, 0.5]
+    proposals = [(11, 0.5), (7, 0.9), (6, 0.5)]  # r=0: new; r=1: the drafted d_2 (spine); r=2: the head's 6, surer
+    ids, logp = with_lookup(window, cand_ids, cand_logp, window_logp, proposals)
+    assert ids == [[5, 3, 11], [9, 7], [4, 6]] and logp[1] == cand_logp[1]
+    assert logp[0][2] == pytest.approx(math.log(0.5 * 0.4)) and logp[2][1] == pytest.approx(math.log(0.5))
+    ranked = rank_branches(window, ids, logp, window_logp, accept_prob, budget=10)
+    # (0, 11): P(A = 0) = 0.2, times q = 0.5 → 0.1; (2, 6): P(A = 2) = 0.4, times 0.5 → 0.2 (the head said 0.08)
+    assert dict(((r, c), p) for r, c, p in ranked)[(0, 11)] == pytest.approx(0.1)
+    assert dict(((r, c), p) for r, c, p in ranked)[(2, 6)] == pytest.approx(0.2)
+    assert with_lookup(window, cand_ids, cand_logp, window_logp, [None] * 3) == (cand_ids, cand_logp)
+
+
+def test_the_draft_server_guesses_c_star_from_the_committed_text_and_learns_how_often_it_is_right():
+    """Where the committed text repeats, prompt lookup's guess after each window position is a branch root beside the
+    head's candidates; each verdict where the window stopped at a guess judges it (`roots_rate`)."""
+    from mirror_train.engine.drafts import SyntheticDraft
+    from mirror_train.engine.messages import Branches, Candidates, Start, Verdict
+    from mirror_train.engine.server import DraftServer
+
+    server = DraftServer(SyntheticDraft(SyntheticDraftConfig(forward_ms=0), 100), branch_budget=8, lookup_roots=True)
+    prompt = [1, 2, 3, 4, 1, 2]  # "1 2" was followed by 3
+    server.handle(Start(prompt=prompt, gamma=2, reference=[3, 4, 1, 2, 3, 4], reply=True))
+    server.window = [9, 9]  # whatever the draft proposed: the guess after the committed text alone is 3
+    guesses = server._lookup_guesses()
+    assert guesses[0][0] == 3 and server.root_guesses[0][0] == 3
+    before = server.roots_rate.predict([server.root_guesses[0][1]])[0]
+    n = 3
+    cands = Candidates(ids=[[5] * 1] * n, logp=[[math.log(0.1)]] * n, window_logp=[math.log(0.1)] * (n - 1))
+    server.handle(Branches(candidates=cands, deadline_ms=None, sent_s=None))
+    assert (0, 3) in server.rolled  # the guess was rolled out as a branch
+    server.handle(Verdict(accepted=0, correction=3, reply=True))
+    assert server.roots_rate.predict([(2, False)])[0] > before  # right: its odds went up
+    assert server.root_guesses == {}
 
 
 def test_rollout_line_fits_the_measured_times():

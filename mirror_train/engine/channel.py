@@ -70,6 +70,7 @@ def build_server(spec: dict):
         spec.get("adaptive_window", False),
         spec.get("device", "cpu"),
         store,
+        spec.get("lookup_roots", False),
     )
 
 

@@ -43,6 +43,9 @@ class EngineConfig:
     use_streams: bool = True  # the draft's lookahead streams (False: one token per draft forward)
     # Mirror-SD: while the target runs its prefix, the draft drafts on past its window (server.py `_look_ahead`)
     look_ahead: bool = True
+    # Mirror-SD: branch roots also from prompt lookup's guess for c* (the committed text's continuation after each
+    # window position), beside the proxy head's top-κ (branches.with_lookup; its odds learnt from verdicts)
+    lookup_roots: bool = True
     candidate_vocab: int | None = 16384  # the proxy head scores only this many ids (its artifact's most frequent
     # first, else the lowest ids, which BPE's merge order makes roughly the most frequent); None or more than the
     # vocabulary: all of them. 96.6% of held-out answer tokens at a third of the head's cost (docs/engine.md)

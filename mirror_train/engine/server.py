@@ -33,7 +33,7 @@ from collections import deque
 import torch
 
 from mirror_train.datastore import Datastore
-from mirror_train.engine.branches import plan_rollout, rank_branches, rollout_line
+from mirror_train.engine.branches import plan_rollout, rank_branches, rollout_line, with_lookup
 from mirror_train.engine.messages import Branches, Load, Ping, Pong, Start, Verdict, Window
 from mirror_train.engine.ngram import NgramIndex
 from mirror_train.engine.node_states import StateTable, as_states, complete, join
@@ -79,7 +79,8 @@ class DraftServer:
     `HeadEnd`, when the proxy head runs on the draft's side (then Branches bring the target's ℓe states instead of
     candidates); kappa: its κ; ngram_tokens: the longest copied window (0: no prompt lookup); adaptive_window: cut
     each window to its best length (module docstring; else the model's whole γ); device: where the draft and the
-    head compute."""
+    head compute; lookup_roots: Mirror-SD's branch roots include prompt lookup's guess for c* beside the proxy
+    head's (`branches.with_lookup`)."""
 
     def __init__(
         self,
@@ -92,11 +93,17 @@ class DraftServer:
         adaptive_window: bool = False,
         device: str | torch.device = "cpu",
         datastore: Datastore | None = None,
+        lookup_roots: bool = False,
     ):
         self.backend = backend
         self.datastore = datastore  # the target's own answers as a second copy source (datastore.py)
         self.device = torch.device(device)  # the draft's and a head's here, and the target's states it keeps
         self.ngram = NgramIndex() if ngram_tokens else None
+        # the committed text that guesses c* for branch roots (the copies' index where there is one), the odds of
+        # its guess by (match size, at the bonus position) learnt from verdicts, and this step's guesses by position
+        self.roots = (self.ngram or NgramIndex()) if lookup_roots else None
+        self.roots_rate = Calibration(initial=0.3)
+        self.root_guesses: dict[int, tuple[int, tuple]] = {}
         self.ngram_tokens = ngram_tokens
         self.adaptive_window = adaptive_window
         self.calibration = Calibration()  # P(kept) of a window token, by source and key (window.py)
@@ -174,8 +181,8 @@ class DraftServer:
         self.gamma = int(msg.gamma)
         self.costs = list(msg.costs or self.costs)
         self.step_ms = msg.step_ms or self.step_ms
-        if self.ngram is not None:
-            self.ngram.reset(msg.prompt)
+        for index in self._indexes():
+            index.reset(msg.prompt)
         self.look_ahead, self.ahead = bool(msg.look_ahead), None
         self.contention = float(msg.contention or 0.0)
         self.forks, self.alt, self.alt_keys, self.fork = bool(msg.forks), [], [], 0
@@ -191,7 +198,7 @@ class DraftServer:
         self.cached = len(self.tokens) - 1
         self.rolled, self.rolled_spine = {}, 0
         self.window_p = self.cands = None  # a sequence that ended mid-step leaves no verdict to learn from
-        self.window_keys = []
+        self.window_keys, self.root_guesses = [], {}
         if self.backend is not None and self.adaptive_budget and len({n for n, _ in self.samples}) < 2:
             self._calibrate()
         if not msg.reply:  # the engine serves the first window itself: no rollout, the next verdict is foreign
@@ -220,7 +227,9 @@ class DraftServer:
             ids, logp, window_logp = candidates.ids, candidates.logp, candidates.window_logp
         self.window_states = exit_states if "exit" in self.target_slots else None
         self.window_p = [math.exp(lp) for lp in window_logp]
-        self.cands = ids
+        self.cands = ids  # the head's own (its online hit_κ)
+        if self.roots is not None:
+            ids, logp = with_lookup(self.window, ids, logp, window_logp, self._lookup_guesses())
         accept_prob = self.acceptance.predict([prob_key(p) for p in self.window_p])
         ranked = rank_branches(self.window, ids, logp, window_logp, accept_prob, self.branch_budget)
         # The look-ahead (drafted during the prefix) is the branch "whole window kept, c* = the draft's own next
@@ -293,8 +302,8 @@ class DraftServer:
             self.window_states = None
         committed = list(msg.committed) if foreign else (self.alt if alt_won else self.window)[:taken] + [correction]
         self.tokens += committed
-        if self.ngram is not None:
-            self.ngram.extend(committed)
+        for index in self._indexes():
+            index.extend(committed)
         if msg.costs:
             self.costs, self.step_ms = list(msg.costs), msg.step_ms
         if any(k[0] == "model" for k in self.window_keys[:1]):  # the model's acceptance measured afresh
@@ -310,6 +319,10 @@ class DraftServer:
             if not alt_won:
                 info["candidates"] = self.cands[accepted]
             self.window_p = self.cands = None
+        guess = self.root_guesses.get(accepted)
+        if guess is not None and not (alt_won or foreign):  # the lookup's guess where the window stopped, judged
+            self.roots_rate.update([guess[1]], int(guess[0] == correction))
+        self.root_guesses = {}
         hit = None if alt_won or foreign or not msg.reply else self.rolled.get((accepted, correction))
         keep = self._end_branches(accepted)
         # the steps told with this one (merge_verdicts) were served by the engine's own copies: skipped rollouts,
@@ -338,6 +351,25 @@ class DraftServer:
         return reply, self._then_look_ahead(len(self.tokens) - self.cached - 1, msg.prefix_ms)
 
     # --- helpers ---------------------------------------------------------------------------------------------
+    def _indexes(self) -> list[NgramIndex]:
+        """The n-gram indexes of the committed text kept here: the copies' and the branch roots' (one if shared)."""
+        return list({id(i): i for i in (self.ngram, self.roots) if i is not None}.values())
+
+    def _lookup_guesses(self) -> list[tuple[int, float] | None]:
+        """Per window position r = 0..γ, prompt lookup's guess for c* after the window's first r tokens and its odds
+        P(c* = guess | A = r) (None: no match, or the drafted token itself, which is no branch); kept for the verdict
+        to judge."""
+        out: list[tuple[int, float] | None] = []
+        for r in range(len(self.window) + 1):
+            copy, n = self.roots.propose(1, after=self.window[:r])
+            if not copy or (r < len(self.window) and copy[0] == self.window[r]):
+                out.append(None)
+                continue
+            key = (min(n, 3), r == len(self.window))
+            self.root_guesses[r] = (copy[0], key)
+            out.append((copy[0], self.roots_rate.predict([key])[0]))
+        return out
+
     def _end_branches(self, accepted: int) -> int | None:
         """Forget this step's branch rollout; the nodes of it to commit (None: none was rolled out): the pending
         tokens at its spine's head, and the accepted window unless it must be fed again as committed tokens."""

@@ -60,6 +60,7 @@ def draft_spec(target: Target, cfg: EngineConfig, draft, head: ProxyHead, workdi
         "dtype": dtype,
         "ngram_tokens": cfg.ngram_tokens,
         "adaptive_window": cfg.adaptive_window,
+        "lookup_roots": cfg.lookup_roots,
         "fast_path": fastpath.for_draft(cfg.draft_fast_path),
     }
     if cfg.head_placement == "draft":
