@@ -30,7 +30,9 @@ def test_packed_copies_keep_values_and_dtypes_on_cache_lines_in_one_arena():
     for t, p in zip(tensors, packed, strict=True):
         assert torch.equal(t, p) and p.dtype == t.dtype and p.is_contiguous()
         assert p.data_ptr() % alignment.LINE == 0
-    assert all(alignment.placed(p) for p in packed) and not alignment.placed(torch.randn(3, 5))
+    assert all(alignment.placed(p) for p in packed)
+    if alignment.HUGE_PAGES:  # else "placed" means on a cache line, which torch's allocator gives any tensor
+        assert not alignment.placed(torch.randn(3, 5))
     assert packed[1].untyped_storage().data_ptr() == packed[0].untyped_storage().data_ptr()  # one arena
 
 
@@ -52,7 +54,8 @@ def test_a_module_is_placed_once_with_its_ties_and_the_same_outputs():
     model[1].weight = model[0].weight  # tied, as an LM head and its embedding
     x = torch.tensor([[1, 2, 3]])
     before = model(x)
-    assert alignment.align_parameters(model) == 2  # the tied weight once, and the bias
+    # the tied weight once, and the bias (with 4 KiB pages only what is off a cache line moves: here nothing)
+    assert alignment.align_parameters(model) == (2 if alignment.HUGE_PAGES else 0)
     assert model[1].weight is model[0].weight and all(alignment.placed(p) for p in model.parameters())
     assert torch.equal(model(x), before)
     assert alignment.align_parameters(model) == 0
