@@ -360,6 +360,7 @@ class DraftServer:
         P(c* = guess | A = r) (None: no match, or the drafted token itself, which is no branch); kept for the verdict
         to judge."""
         out: list[tuple[int, float] | None] = []
+        self.root_guesses = {}  # this step's alone, whatever came before
         for r in range(len(self.window) + 1):
             copy, n = self.roots.propose(1, after=self.window[:r])
             if not copy or (r < len(self.window) and copy[0] == self.window[r]):
