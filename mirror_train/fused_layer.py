@@ -284,3 +284,51 @@ class FusedLayer(nn.Module):
         q = attn.q_proj.weight  # moved or changed in place (a load_state_dict): panels made again (kernels.panels_of)
         self.__dict__["_fused_weights"] = (q, q.data_ptr(), q._version, lw)
         return lw
+
+
+class FusedStack:
+    """Consecutive fused layers of one model run as one C call (`kernels.decoder_stack`): each layer exactly its own
+    fused call, the same bits, but one pass through Python for all of them. A step of the testbed made ~30 layer
+    calls through the modules (module call, the layer's keyword checks, the cache's bookkeeping), ~2 ms of a
+    ~21 ms one-token step on a Zen 4 core, against the C calls alone (docs/engine.md, thirty-second session).
+    Built once per run of layers (`Target.run_layers`); a layer's weights are refilled where they moved, its cache
+    buffers every call."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers = layers
+        self.args = (kernels.StackLayer * len(layers))()
+        self.weights: list[kernels.LayerWeights | None] = [None] * len(layers)
+
+    def __call__(self, x: torch.Tensor, cache, rope, mask) -> torch.Tensor | None:
+        """The layers' output over x (1, M, H), or None where any layer must take its own path (nothing done)."""
+        first = self.layers[0]
+        ready = first._ready(x, cache, rope)
+        if ready is None:
+            return None
+        past, rows = ready[2], x.shape[1]
+        runs = attention._runs(mask)
+        if runs is None and not attention._plain_causal_window(mask, rows, past + rows):
+            return None
+        cache_layers = []
+        for j, layer in enumerate(self.layers):
+            lw = layer._weights()
+            if lw is None:
+                return None
+            if rows > layer.max_rows:
+                return None
+            held = cache.layers[lw.layer_idx]
+            if type(held).__name__ == "DynamicLayer":  # as `_ready`: grow it in place
+                held.__class__ = GrowingLayer
+            if type(held) is not GrowingLayer or not held.is_initialized or held.get_seq_length() != past:
+                return None
+            if lw is not self.weights[j]:
+                self.args[j].set_weights(lw)
+                self.weights[j] = lw
+            cache_layers.append(held)
+        for j, held in enumerate(cache_layers):  # set every step: a new buffer may reuse a freed one's address
+            self.args[j].set_cache(*held.reserve(rows))
+        scratch = kernels.stack_scratch(self.weights, rows, x.shape[2], past + rows)
+        out = kernels.decoder_stack(x, self.args, scratch, rope[0], rope[1], past, runs)
+        for held in cache_layers:
+            held.extend(rows)
+        return out

@@ -678,15 +678,18 @@ void attention_f32(const float *q, int64_t q_sh, int64_t q_sm, const float *k, c
         rb_max = nv <= (LANES == 16 ? 4 : 2) ? RB_MAX : nv <= (LANES == 16 ? 8 : 4) ? 2 : 1;
     }
 #endif
-    for (int64_t h = 0; h < H; h++) {
-        const float *kh = k + (h / group) * kv_sh, *vh = v + (h / group) * kv_sh;
-        for (int64_t i0 = 0; i0 < M; i0 += rb_max) {
-            int rb = M - i0 < rb_max ? (int)(M - i0) : rb_max;
+    /* The (head, row) pairs that read one KV head go in groups of rb_max, rows within a head first: a one-row step
+       reads each KV head once for the `group` query heads that share it, not once a query head. */
+    int64_t pairs = group * M;
+    for (int64_t g = 0; g < KVH; g++) {
+        const float *kh = k + g * kv_sh, *vh = v + g * kv_sh;
+        for (int64_t p0 = 0; p0 < pairs; p0 += rb_max) {
+            int rb = pairs - p0 < rb_max ? (int)(pairs - p0) : rb_max;
             const float *qs[RB_MAX];
             float *ss[RB_MAX], *os[RB_MAX], mx[RB_MAX], total[RB_MAX];
             int64_t first[RB_MAX], seen[RB_MAX], jump[RB_MAX], shared = L;
             for (int r = 0; r < rb; r++) {
-                int64_t i = i0 + r;
+                int64_t h = g * group + (p0 + r) / M, i = (p0 + r) % M;
                 qs[r] = q + h * q_sh + i * q_sm;
                 ss[r] = scratch + r * L;
                 os[r] = out + (i * H + h) * D;
@@ -805,6 +808,30 @@ void decoder_layer_f32(float *x, int64_t M, int64_t H, const float *ln1, const f
     LAYER_LINEAR(g, I, 6, o, H, H, I);
     for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + o[i];
 }
+
+/* One layer's part of a `decoder_stack_f32` call (kernels.StackLayer mirrors it field for field). */
+typedef struct {
+    const float *ln1, *ln2;
+    const void *w[7];
+    const float *b[7];
+    float *kbuf, *vbuf;
+    int64_t I, NH, KVH, D, kv_sh, kv_sl;
+    float eps, scale;
+    int32_t wbf16, wpanels;
+} stack_layer;
+
+/* n consecutive decoder layers over the same M rows, one after the other in place on x: each exactly its own
+   decoder_layer_f32 call (the same rows, positions, key runs and scratch), one call from Python for all of them
+   instead of one a layer (fused_layer.FusedStack). */
+void decoder_stack_f32(float *x, int64_t M, int64_t H, int64_t n, const stack_layer *layers, const float *cos,
+                       const float *sin, int64_t past, const int64_t *n1, const int64_t *s2, const int64_t *n2,
+                       float *scratch) {
+    for (int64_t l = 0; l < n; l++) {
+        const stack_layer *a = layers + l;
+        decoder_layer_f32(x, M, H, a->ln1, a->ln2, a->eps, a->w, a->b, a->I, a->NH, a->KVH, a->D, cos, sin, a->kbuf,
+                          a->vbuf, a->kv_sh, a->kv_sl, past, a->scale, n1, s2, n2, scratch, a->wbf16, a->wpanels);
+    }
+}
 """
 
 
@@ -864,6 +891,9 @@ def _library() -> ctypes.CDLL | None:
         lib.decoder_layer_f32.argtypes += [ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr, ctypes.c_int]
         lib.decoder_layer_f32.argtypes += [ctypes.c_int]
         lib.decoder_layer_f32.restype = None
+        # x, M, H, n, layers (StackLayer[n]), cos, sin, past, n1, s2, n2, scratch
+        lib.decoder_stack_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
+        lib.decoder_stack_f32.restype = None
     except (OSError, AttributeError):  # not loadable here, or not the library this source builds
         return None
     return lib
@@ -1159,5 +1189,77 @@ def decoder_layer(
         scratch.data_ptr(),
         int(lw.bf16),
         int(lw.panels),
+    )
+    return out.view(1, m, hidden)
+
+
+class StackLayer(ctypes.Structure):
+    """One layer's arguments to `decoder_stack` (the C source's `stack_layer`, field for field)."""
+
+    _fields_ = [
+        ("ln1", ctypes.c_void_p),
+        ("ln2", ctypes.c_void_p),
+        ("w", ctypes.c_void_p * 7),
+        ("b", ctypes.c_void_p * 7),
+        ("kbuf", ctypes.c_void_p),
+        ("vbuf", ctypes.c_void_p),
+        ("I", ctypes.c_int64),
+        ("NH", ctypes.c_int64),
+        ("KVH", ctypes.c_int64),
+        ("D", ctypes.c_int64),
+        ("kv_sh", ctypes.c_int64),
+        ("kv_sl", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("wbf16", ctypes.c_int32),
+        ("wpanels", ctypes.c_int32),
+    ]
+
+    def set_weights(self, lw: LayerWeights) -> None:
+        """What stays from step to step: the layer's tensors and shapes (the caller keeps `lw` alive)."""
+        self.ln1, self.ln2 = lw.ln1.data_ptr(), lw.ln2.data_ptr()
+        self.w[:], self.b[:] = list(lw.weights), list(lw.biases)
+        self.I, self.NH, self.KVH, self.D = lw.intermediate, lw.heads, lw.kv_heads, lw.head_dim
+        self.eps, self.scale, self.wbf16, self.wpanels = lw.eps, lw.scale, int(lw.bf16), int(lw.panels)
+
+    def set_cache(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Where the layer's keys and values go: (1, KVH, capacity, D) buffers, the last dimension contiguous."""
+        self.kbuf, self.vbuf = keys.data_ptr(), values.data_ptr()
+        self.kv_sh, self.kv_sl = keys.stride(1), keys.stride(2)
+
+
+def stack_scratch(layers: list[LayerWeights], rows: int, hidden: int, length: int) -> int:
+    """Floats of scratch a `decoder_stack` call over `layers` needs (the largest layer's `decoder_layer` scratch)."""
+    return (
+        max(
+            rows * (2 * hidden + 2 * lw.heads * lw.head_dim + 2 * lw.kv_heads * lw.head_dim + 2 * lw.intermediate)
+            for lw in layers
+        )
+        + RB_MAX * length
+    )
+
+
+def decoder_stack(
+    x: torch.Tensor,
+    layers: ctypes.Array,
+    scratch_floats: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    past: int,
+    runs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`decoder_layer` for each of `layers` (a StackLayer array, weights and cache buffers set, each buffer with
+    room for x's rows) in turn, as one C call: x (1, M, H) float32 → the last layer's output (a new tensor), the
+    same bits as the layers called one by one. Call only where `available()`."""
+    m, hidden = x.shape[1], x.shape[2]
+    out = x.reshape(m, hidden).clone()
+    scratch = torch.empty(scratch_floats, dtype=torch.float32)
+    cos, sin = cos.reshape(m, -1).contiguous(), sin.reshape(m, -1).contiguous()
+    r = (None,) * 3
+    if runs is not None:
+        runs = runs.to(torch.int64).contiguous()  # kept alive here while the call reads it
+        r = _run_pointers(runs)
+    _library().decoder_stack_f32(
+        out.data_ptr(), m, hidden, len(layers), layers, cos.data_ptr(), sin.data_ptr(), past, *r, scratch.data_ptr()
     )
     return out.view(1, m, hidden)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mirror_train import attention, kv_cache, static_step
+from mirror_train import attention, fused_layer, kv_cache, static_step
 from mirror_train.alignment import align_parameters
 from mirror_train.devices import resolve_device
 from mirror_train.errors import MirrorTrainError
@@ -294,6 +294,12 @@ class Target:
         Each layer gets the mask and rotary table of the target's layer i's attention type.
         """
         hidden = state.hidden
+        stack = self._stack(layers, indices)
+        if stack is not None:
+            kind = self.layer_types[indices[0]]
+            out = stack(hidden, state.cache, state.position_embeddings[kind], state.masks[kind])
+            if out is not None:
+                return out
         for i in indices:
             kind = self.layer_types[i]
             hidden = layers[i](
@@ -305,6 +311,23 @@ class Target:
                 use_cache=state.cache is not None,
             )
         return hidden
+
+    def _stack(self, layers, indices) -> fused_layer.FusedStack | None:
+        """The fused layers `layers[i]`, i in `indices`, as one C call (fused_layer.FusedStack), where all of them
+        are fused and of one attention type; None otherwise (each then runs on its own)."""
+        if not isinstance(indices, range) or len(indices) < 2:
+            return None
+        chosen = [layers[i] for i in indices]
+        if not all(isinstance(layer, fused_layer.FusedLayer) for layer in chosen):  # `install` can switch them
+            return None
+        if len({self.layer_types[i] for i in indices}) != 1:
+            return None
+        stacks = self.__dict__.setdefault("_stacks", {})
+        key = (id(layers), indices.start, indices.stop, indices.step)
+        stack = stacks.get(key)
+        if stack is None or any(a is not b for a, b in zip(stack.layers, chosen)):
+            stack = stacks[key] = fused_layer.FusedStack(chosen)
+        return stack
 
     @torch.inference_mode()
     def prefill(

@@ -144,3 +144,73 @@ def test_transformers_generate_on_a_fused_model_is_its_stepwise_greedy(fused_cal
 def test_the_avx2_and_scalar_builds_fuse_the_same_function(other_kernel_build, fused_calls):
     """Their own layer code (the vector exponential, the norm's sums) computes the same function."""
     _check_family("qwen2", fused_calls)
+
+
+def _target_steps(target, ids, prompt, windows, forked_at=None):
+    """The target's logits over ids[prompt:], fed after a prefill of ids[:prompt] in windows of the given sizes
+    (split at ℓe = 2, prefix then suffix, as the engine steps); the window starting at `forked_at` is a forked one
+    (two chains: its first 3 tokens, then 2 more hanging off the first)."""
+    from mirror_train.forked_window import ForkedWindow
+
+    cache = target.new_cache()
+    out, start = [], prompt
+    with torch.inference_mode():
+        target.forward(ids[:, :prompt], cache)
+        for rows in windows:
+            forked = ForkedWindow(main=2, fork=0, alt=2) if start == forked_at else None
+            rows = forked.rows if forked else rows
+            state = target.prefix(ids[:, start : start + rows], cache, 2, forked=forked)
+            out.append(target.suffix(state))
+            if forked:  # keep the main chain, as a verification that accepted it would
+                target.crop(cache, start + 1 + forked.main)
+                rows = 1 + forked.main
+            start += rows
+    return torch.cat(out, 1), cache
+
+
+@needs_kernel
+def test_a_targets_layers_as_one_stack_call_are_its_layers_called_one_by_one(monkeypatch, fused_calls):
+    """Target.run_layers runs consecutive fused layers as one C call (FusedStack): windows of 1-8 rows, a forked
+    window and a cache that grows on the way give what the layers' own fused calls give, bit for bit; the stack
+    follows a weight changed in place, and where the layers are switched off or the batch is two it steps aside."""
+    from mirror_train.random_models import tiny_tokenizer
+    from mirror_train.target import Target
+
+    model = tiny_model("llama", layers=4, vocab=128)
+    model.config._attn_implementation = "sdpa"  # the row-invariant attention a forked window needs
+    target = Target(model, tiny_tokenizer(), "tiny")
+    fastpath.install(target.model, "exact")
+    stacks, real = [], kernels.decoder_stack
+    monkeypatch.setattr(kernels, "decoder_stack", lambda *a, **k: stacks.append(len(a[1])) or real(*a, **k))
+    ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(7))
+    windows = [1, 2, 5, 8, 3, 1] * 14  # ~280 tokens after a 9-token prompt: the cache grows past 256 positions
+    stacked, cache = _target_steps(target, ids, 9, windows, forked_at=9 + 1 + 2)
+    assert cache.get_seq_length() > 256 and len(stacks) == 2 * len(windows) and fused_calls[0] == 0
+    assert set(stacks) == {2}  # ℓe = 2 of 4: two layers a call, each half
+    monkeypatch.setattr(Target, "_stack", lambda self, layers, indices: None)
+    layered, _ = _target_steps(target, ids, 9, windows, forked_at=9 + 1 + 2)
+    assert fused_calls[0] == 4 * len(windows)  # the same steps through the layers' own fused calls
+    assert torch.equal(stacked, layered)
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "decoder_stack", lambda *a, **k: stacks.append(len(a[1])) or real(*a, **k))
+
+    fresh = tiny_model("llama", layers=4, vocab=128, seed=1)
+    model.load_state_dict(fresh.state_dict())  # in place: the stack's arguments follow the layers' new weights
+    reference = Target(copy.deepcopy(fresh), tiny_tokenizer(), "tiny")  # plain layers: the modules' function
+    ours, _ = _target_steps(target, ids, 9, [1, 3])
+    theirs, _ = _target_steps(reference, ids, 9, [1, 3])
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+    stacks.clear()
+    fused_layer.install(target.model, False)  # switched off: the modules' own forwards, no stack
+    off, _ = _target_steps(target, ids, 9, [1, 3])
+    assert not stacks
+    torch.testing.assert_close(off, theirs, atol=1e-4, rtol=1e-4)
+    fastpath.install(target.model, "exact")
+    with torch.inference_mode():  # a batch of two steps aside to the modules, whose layers decline it too
+        cache = target.new_cache()
+        target.forward(ids[:, :9].repeat(2, 1), cache)
+        two = target.forward(ids[:, 9:11].repeat(2, 1), cache)
+    assert not stacks
+    torch.testing.assert_close(two[0], two[1], atol=1e-4, rtol=1e-4)
