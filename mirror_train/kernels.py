@@ -19,7 +19,8 @@ causal window differently from one-row decoding, so exactness took k separate at
   keys alone, so a window row is the one-token step at that position.
 - `decoder_layer`: a whole pre-norm Llama-shaped decoder layer (RMSNorm, the seven linears above, rotary, the cache
   write, the attention above, SiLU, residuals) in one call, every step row by row, so it keeps the same property
-  and spares the ~40 torch ops around each layer's kernels (fused_layer.py decides where it applies).
+  and spares the ~40 torch ops around each layer's kernels (fused_layer.py decides where it applies);
+  `decoder_stack`: consecutive such layers in one call (a target's prefix or suffix: fused_layer.FusedStack).
 
 Built once per machine with the system C compiler (`cc -O3 -march=native`, under a second) into
 ~/.cache/mirror-train/kernels (or $MIRROR_TRAIN_KERNELS), keyed by the source and the CPU's flags, and loaded with
