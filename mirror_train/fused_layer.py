@@ -314,12 +314,14 @@ class FusedStack:
         runs = attention._runs(mask)
         if runs is None and not attention._plain_causal_window(mask, rows, past + rows):
             return None
-        cache_layers = []
-        for j, layer in enumerate(self.layers):
+        cache_layers, grad = [], torch.is_grad_enabled()
+        for j, layer in enumerate(self.layers):  # what `_ready` asks of each layer beyond the first's inputs
+            if layer.training or rows > layer.max_rows:
+                return None
+            if grad and any(p.requires_grad for p in layer.parameters()):
+                return None
             lw = layer._weights()
             if lw is None:
-                return None
-            if rows > layer.max_rows:
                 return None
             held = cache.layers[lw.layer_idx]
             if type(held).__name__ == "DynamicLayer":  # as `_ready`: grow it in place

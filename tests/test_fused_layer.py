@@ -214,3 +214,8 @@ def test_a_targets_layers_as_one_stack_call_are_its_layers_called_one_by_one(mon
         two = target.forward(ids[:, 9:11].repeat(2, 1), cache)
     assert not stacks
     torch.testing.assert_close(two[0], two[1], atol=1e-4, rtol=1e-4)
+    target.model.model.layers[3].train()  # a layer in training (its dropout): that layer's own forward
+    trained, _ = _target_steps(target, ids, 9, [1, 3])
+    assert stacks == [2, 2]  # the prefix's two layers still one call, the suffix layer by layer
+    target.model.eval()
+    torch.testing.assert_close(trained, _target_steps(target, ids, 9, [1, 3])[0], atol=1e-4, rtol=1e-4)
