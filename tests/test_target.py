@@ -248,6 +248,23 @@ def test_the_growing_cache_holds_what_a_concatenating_one_holds_through_rollback
     plain.batch_repeat_interleave(2)
     k, v = torch.randn(2, 2, 3, 1, 4, generator=g)
     assert all(torch.equal(a, b) for a, b in zip(grown.update(k, v), plain.update(k, v)))
+    # the fused layers' way: reserve, write into the buffers, extend; a count alone until something reads them
+    for step, (new, drop) in enumerate([(3, 0), (1, 1), (400, 0), (2, 2), (5, 0)]):
+        k, v = torch.randn(2, 2, 3, new, 4, generator=g)
+        n = grown.get_seq_length()
+        keys, values = grown.reserve(new)
+        keys[..., n : n + new, :], values[..., n : n + new, :] = k, v
+        grown.extend(new)
+        assert grown.__dict__["keys"] is None and grown.get_seq_length() == n + new  # no view made
+        plain.update(k, v)
+        if drop:
+            grown.crop(-drop)
+            plain.crop(-drop)
+        assert grown.get_seq_length() == plain.get_seq_length(), step
+        assert torch.equal(grown.keys, plain.keys) and torch.equal(grown.values, plain.values), step
+    grown.reset()
+    plain.reset()
+    assert grown.get_seq_length() == 0 and not grown.is_initialized and grown.keys is None
 
 
 def test_a_loaded_target_streams_its_weights_from_aligned_lines_with_its_ties_and_values_kept(tiny_model_dir):
