@@ -192,7 +192,6 @@ class FusedLayer(nn.Module):
         if (
             cache is None
             or rope is None
-            or self.training  # the module's dropout
             or x.dtype != torch.float32
             or rope[0].dtype != torch.float32
             or x.device.type != "cpu"
@@ -200,9 +199,15 @@ class FusedLayer(nn.Module):
             or x.shape[0] != 1
             or not 1 <= x.shape[1] <= self.max_rows
             or x.requires_grad
-            or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))  # no backward in C
         ):
             return None
+        return self._held(cache)
+
+    def _held(self, cache):
+        """(weights, cache layer, cached length) where this layer's C call can run on `cache`, its inputs apart
+        (`_ready` checks those; FusedStack checks them once for all its layers), else None."""
+        if self.training or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
+            return None  # the module's dropout; no backward in C
         weights = self._weights()
         if weights is None:
             return None
@@ -314,24 +319,18 @@ class FusedStack:
         runs = attention._runs(mask)
         if runs is None and not attention._plain_causal_window(mask, rows, past + rows):
             return None
-        cache_layers, grad = [], torch.is_grad_enabled()
-        for j, layer in enumerate(self.layers):  # what `_ready` asks of each layer beyond the first's inputs
-            if layer.training or rows > layer.max_rows:
+        cache_layers = []
+        for j, layer in enumerate(self.layers):  # the first's `_ready` held; each other as its own call would
+            if j and rows > layer.max_rows:
                 return None
-            if grad and any(p.requires_grad for p in layer.parameters()):
+            held = layer._held(cache) if j else ready
+            if held is None or held[2] != past:
                 return None
-            lw = layer._weights()
-            if lw is None:
-                return None
-            held = cache.layers[lw.layer_idx]
-            if type(held).__name__ == "DynamicLayer":  # as `_ready`: grow it in place
-                held.__class__ = GrowingLayer
-            if type(held) is not GrowingLayer or not held.is_initialized or held.get_seq_length() != past:
-                return None
+            lw = held[0]
             if lw is not self.weights[j]:
                 self.args[j].set_weights(lw)
                 self.weights[j] = lw
-            cache_layers.append(held)
+            cache_layers.append(held[1])
         for j, held in enumerate(cache_layers):  # set every step: a new buffer may reuse a freed one's address
             self.args[j].set_cache(*held.reserve(rows))
         scratch = kernels.stack_scratch(self.weights, rows, x.shape[2], past + rows)

@@ -1157,14 +1157,8 @@ def decoder_layer(
     rotary tables of the rows' positions. runs: a forked window's key runs (as `attention`'s `rows`). Call only
     where `available()`."""
     m, hidden = x.shape[1], x.shape[2]
-    out = x.reshape(m, hidden).clone()
-    qd, kd, inter, length = lw.heads * lw.head_dim, lw.kv_heads * lw.head_dim, lw.intermediate, past + m
-    scratch = torch.empty(m * (2 * hidden + 2 * qd + 2 * kd + 2 * inter) + RB_MAX * length, dtype=torch.float32)
-    cos, sin = cos.reshape(m, -1).contiguous(), sin.reshape(m, -1).contiguous()
-    r = (None,) * 3
-    if runs is not None:
-        runs = runs.to(torch.int64).contiguous()  # kept alive here while the call reads it
-        r = _run_pointers(runs)
+    out, cos, sin, runs, r = _layer_inputs(x, cos, sin, runs)
+    scratch = torch.empty(stack_scratch([lw], m, hidden, past + m), dtype=torch.float32)
     _library().decoder_layer_f32(
         out.data_ptr(),
         m,
@@ -1174,7 +1168,7 @@ def decoder_layer(
         lw.eps,
         lw.weights,
         lw.biases,
-        inter,
+        lw.intermediate,
         lw.heads,
         lw.kv_heads,
         lw.head_dim,
@@ -1192,6 +1186,19 @@ def decoder_layer(
         int(lw.panels),
     )
     return out.view(1, m, hidden)
+
+
+def _layer_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: torch.Tensor | None):
+    """What a decoder-layer call reads besides its weights: x's rows as a copy the call updates in place (M, H), the
+    rows' cos and sin contiguous (M, D), the key runs as int64 (kept alive by the caller while the call reads them)
+    and their three row addresses (None each: a plain causal window)."""
+    m = x.shape[1]
+    out = x.reshape(m, x.shape[2]).clone()
+    cos, sin = cos.reshape(m, -1).contiguous(), sin.reshape(m, -1).contiguous()
+    if runs is None:
+        return out, cos, sin, None, (None,) * 3
+    runs = runs.to(torch.int64).contiguous()
+    return out, cos, sin, runs, _run_pointers(runs)
 
 
 class StackLayer(ctypes.Structure):
@@ -1230,7 +1237,8 @@ class StackLayer(ctypes.Structure):
 
 
 def stack_scratch(layers: list[LayerWeights], rows: int, hidden: int, length: int) -> int:
-    """Floats of scratch a `decoder_stack` call over `layers` needs (the largest layer's `decoder_layer` scratch)."""
+    """Floats of scratch a `decoder_layer` call needs (`decoder_stack`'s over `layers`: the largest layer's), `rows`
+    rows after `length` − rows cached positions: the layer's activations, and the attention's scores."""
     return (
         max(
             rows * (2 * hidden + 2 * lw.heads * lw.head_dim + 2 * lw.kv_heads * lw.head_dim + 2 * lw.intermediate)
@@ -1253,13 +1261,8 @@ def decoder_stack(
     room for x's rows) in turn, as one C call: x (1, M, H) float32 → the last layer's output (a new tensor), the
     same bits as the layers called one by one. Call only where `available()`."""
     m, hidden = x.shape[1], x.shape[2]
-    out = x.reshape(m, hidden).clone()
+    out, cos, sin, runs, r = _layer_inputs(x, cos, sin, runs)
     scratch = torch.empty(scratch_floats, dtype=torch.float32)
-    cos, sin = cos.reshape(m, -1).contiguous(), sin.reshape(m, -1).contiguous()
-    r = (None,) * 3
-    if runs is not None:
-        runs = runs.to(torch.int64).contiguous()  # kept alive here while the call reads it
-        r = _run_pointers(runs)
     _library().decoder_stack_f32(
         out.data_ptr(), m, hidden, len(layers), layers, cos.data_ptr(), sin.data_ptr(), past, *r, scratch.data_ptr()
     )

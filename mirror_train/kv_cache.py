@@ -16,6 +16,26 @@ from transformers.cache_utils import DynamicLayer
 MIN_CAPACITY = 256
 
 
+class _BufferRows:
+    """A GrowingLayer's `keys` or `values`: the tensor the instance holds, made from its buffer first where the layer
+    holds only a count (`GrowingLayer._lazy_n`); an assignment makes them that tensor again."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, layer, owner=None):
+        if layer is None:
+            return self
+        if layer._lazy_n is not None:
+            layer._materialize()
+        return layer.__dict__.get(self.name)
+
+    def __set__(self, layer, value: torch.Tensor | None) -> None:
+        if layer._lazy_n is not None:
+            layer._materialize()
+        layer.__dict__[self.name] = value
+
+
 class GrowingLayer(DynamicLayer):
     """A DynamicLayer whose `update` writes into a buffer instead of concatenating (module docstring).
 
@@ -28,30 +48,8 @@ class GrowingLayer(DynamicLayer):
     _key_buffer: torch.Tensor | None = None
     _value_buffer: torch.Tensor | None = None
     _lazy_n: int | None = None  # keys/values are the buffers' first _lazy_n rows, not yet made (None: as stored)
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        if self._lazy_n is not None:
-            self._materialize()
-        return self.__dict__.get("keys")
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        if self._lazy_n is not None:
-            self._materialize()
-        self.__dict__["keys"] = value
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        if self._lazy_n is not None:
-            self._materialize()
-        return self.__dict__.get("values")
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        if self._lazy_n is not None:
-            self._materialize()
-        self.__dict__["values"] = value
+    keys = _BufferRows()
+    values = _BufferRows()
 
     def _materialize(self) -> None:
         n, self._lazy_n = self._lazy_n, None
