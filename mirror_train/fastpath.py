@@ -41,7 +41,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mirror_train import alignment, attention, fused_layer, kernels
+from mirror_train import alignment, attention, fused_layer, kernels, screened_head
 from mirror_train.devices import resolve_dtype
 from mirror_train.errors import MirrorTrainError
 from mirror_train.timing import median_ms
@@ -128,7 +128,7 @@ def install(model: nn.Module, kind: str = "auto") -> str:
     if not linears:
         return kind
     for module in linears:
-        for key in ("_packed", "_packed_dtype", "min_rows", "routes", "_panels"):  # an earlier install's
+        for key in ("_packed", "_packed_dtype", "min_rows", "routes", "_panels", "_screen"):  # an earlier install's
             module.__dict__.pop(key, None)
         if kind in ("exact", "fastest"):  # timed now, not inside the first request
             prefill_path(tuple(module.weight.shape), module.bias is not None, module.weight.dtype)
@@ -138,6 +138,9 @@ def install(model: nn.Module, kind: str = "auto") -> str:
             module.__class__ = ExactLinear
         if panels:
             kernels.serve_panels(*[m for m in linears if m.weight.dtype in kernels.WEIGHT_DTYPES])
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if isinstance(head, ExactLinear):  # greedy tokens through a bfloat16 screen, where it pays (measured here)
+            screened_head.build(head)
         return kind
     if kind == "fastest":
         paths = ["torch"]

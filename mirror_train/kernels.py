@@ -462,6 +462,92 @@ PANEL_TILES(F32, float, PC)
 PANEL_TILES(BF16, uint16_t, BPC)
 int kernel_lanes(void) { return LANES; }
 
+/* The LM head's screen (screened_head.py): every logit approximately, from bfloat16 inputs and bfloat16 panels, with
+   AVX512-BF16's dot product of pairs (one instruction, two multiply-adds a lane: half the float32 FMAs of the exact
+   kernel, and half its bytes). How it rounds does not matter: the screen only bounds where the exact argmax can
+   be, and that bound holds for any order of the sums. Without the instruction screen_dot() is 0 (the screen then
+   widens bfloat16 weights in the exact kernels). */
+#if LANES == 16 && defined(__AVX512BF16__)
+int screen_dot(void) { return 1; }
+/* R input rows x C panels; x: R rows of K2 (bf16 pair) words, p: panels of K2 pair vectors, cs apart */
+#define SCREEN_TILE(NAME, R, C)                                                                                    \
+static void NAME(const uint32_t *x, int64_t K2, const uint16_t *p, int64_t cs, float *y, int64_t ldy) {            \
+    __m512 acc[R][C];                                                                                              \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                            \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();                       \
+    for (int64_t j = 0; j < K2; j++, p += 2 * LANES) {                                                             \
+        __m512i w[C];                                                                                              \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
+            w[c] = _mm512_loadu_si512((const void *)(p + c * cs));                                                 \
+            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, 0);               \
+        }                                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                      \
+            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[r * K2 + j]);                                         \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++)                                                    \
+                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, (__m512bh)w[c]);                                       \
+        }                                                                                                          \
+    }                                                                                                              \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                            \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) _mm512_storeu_ps(y + r * ldy + c * LANES, acc[r][c]);  \
+}
+/* R rows over `panels` panels: tiles of C (as many as 32 registers hold beside R x C sums), then one at a time */
+#define SCREEN_ROWS(R, C)                                                                                          \
+SCREEN_TILE(screen_tile_##R##_##C, R, C)                                                                           \
+SCREEN_TILE(screen_tile_##R##_one, R, 1)                                                                           \
+static void screen_rows_##R(const uint32_t *x, int64_t K2, const uint16_t *p, float *y, int64_t ldy,               \
+                            int64_t panels) {                                                                      \
+    const int64_t cs = 2 * K2 * LANES;                                                                             \
+    int64_t c = 0;                                                                                                 \
+    for (; c + C <= panels; c += C) screen_tile_##R##_##C(x, K2, p + c * cs, cs, y + c * LANES, ldy);              \
+    for (; c < panels; c++) screen_tile_##R##_one(x, K2, p + c * cs, cs, y + c * LANES, ldy);                      \
+}
+SCREEN_ROWS(1, 8) SCREEN_ROWS(2, 8) SCREEN_ROWS(3, 6) SCREEN_ROWS(4, 6)
+SCREEN_ROWS(5, 4) SCREEN_ROWS(6, 4) SCREEN_ROWS(7, 3) SCREEN_ROWS(8, 3)
+typedef void (*screen_rows_fn)(const uint32_t *, int64_t, const uint16_t *, float *, int64_t, int64_t);
+static const screen_rows_fn SCREEN_ROWS_BY[9] = {0, screen_rows_1, screen_rows_2, screen_rows_3, screen_rows_4,
+                                                 screen_rows_5, screen_rows_6, screen_rows_7, screen_rows_8};
+/* y (M x panels * LANES, ldy apart) = x (M x K2 pair words) . panels; chunks of PANEL_CHUNK panels, every group of
+   up to 8 rows over a chunk while it is in L2 */
+void screen_bf16(const uint32_t *x, int64_t M, int64_t K2, const uint16_t *p, int64_t panels, float *y, int64_t ldy) {
+    for (int64_t c0 = 0; c0 < panels; c0 += PANEL_CHUNK) {
+        int64_t n = panels - c0 < PANEL_CHUNK ? panels - c0 : PANEL_CHUNK;
+        for (int64_t m = 0; m < M; m += 8) {
+            int64_t r = M - m < 8 ? M - m : 8;
+            SCREEN_ROWS_BY[r](x + m * K2, K2, p + c0 * 2 * K2 * LANES, y + m * ldy + c0 * LANES, ldy, n);
+        }
+    }
+}
+#else
+int screen_dot(void) { return 0; }
+void screen_bf16(const uint32_t *x, int64_t M, int64_t K2, const uint16_t *p, int64_t panels, float *y, int64_t ldy) {
+    (void)x, (void)M, (void)K2, (void)p, (void)panels, (void)y, (void)ldy;
+}
+#endif
+
+/* The outputs v < n of any row whose screened logit a[r * lda + v] reaches that row's threshold thr[r], in order,
+   each once, into out; returns how many. The scan of a one-token step's 49k logits takes microseconds. */
+int64_t screen_select(const float *a, int64_t M, int64_t n, int64_t lda, const float *thr, int64_t *out) {
+    int64_t count = 0, v = 0;
+#if LANES == 16
+    for (; v + 16 <= n; v += 16) {
+        __mmask16 hit = 0;
+        for (int64_t r = 0; r < M; r++)
+            hit |= _mm512_cmp_ps_mask(_mm512_loadu_ps(a + r * lda + v), _mm512_set1_ps(thr[r]), _CMP_GE_OQ);
+        while (hit) {
+            out[count++] = v + __builtin_ctz(hit);
+            hit &= hit - 1;
+        }
+    }
+#endif
+    for (; v < n; v++)
+        for (int64_t r = 0; r < M; r++)
+            if (a[r * lda + v] >= thr[r]) {
+                out[count++] = v;
+                break;
+            }
+    return count;
+}
+
 /* exp(x) for x <= 0 (a softmax's shifted scores): Cephes' expf polynomial after x = n ln2 + r, times 2^n. */
 #if LANES == 16
 #define VSET(c) _mm512_set1_ps(c)
@@ -881,6 +967,12 @@ def _library() -> ctypes.CDLL | None:
             fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
             fn.restype = None
         lib.kernel_lanes.restype = ctypes.c_int
+        lib.screen_dot.restype = ctypes.c_int
+        # x pairs, M, K2, panels, how many, y, ldy; a, M, n, lda, thresholds, out
+        lib.screen_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64]
+        lib.screen_bf16.restype = None
+        lib.screen_select.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+        lib.screen_select.restype = i64
         # q, q head / row strides, k, v, kv head / position strides, out, scratch, M, H, KVH, L, D, scale,
         # and a forked window's per-row key runs n1, s2, n2 (NULL: causal)
         lib.attention_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, *[i64] * 5, ctypes.c_float]
@@ -931,6 +1023,50 @@ def linear(
     kernel(rows.data_ptr(), k, w.data_ptr(), b, out.data_ptr(), n, m, n, k)
     out = out.view(*x.shape[:-1], n)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def linear_at(x: torch.Tensor, weight: torch.Tensor, outputs: torch.Tensor, panels: torch.Tensor | None = None):
+    """Columns `outputs` (sorted ids) of `linear(x, weight, None, panels)` for float32 x and weight, bit for bit,
+    computing only those: each output's sum does not depend on which others a call computes (their rows gathered,
+    or, on panels, the panels that hold them). (M, len(outputs))."""
+    rows = x.reshape(-1, x.shape[-1])
+    if panels is None:
+        return linear(rows, weight.index_select(0, outputs))
+    width = panels.shape[-1]
+    held = torch.unique(outputs // width)  # sorted
+    sub = panels.index_select(0, held)
+    out = torch.empty(rows.shape[0], sub.shape[0] * width, dtype=torch.float32)
+    rows = rows.to(torch.float32).contiguous()
+    k = rows.shape[1]
+    _library().linear_panels_F32(
+        rows.data_ptr(), k, sub.data_ptr(), None, out.data_ptr(), out.shape[1], rows.shape[0], out.shape[1], k
+    )
+    where = torch.searchsorted(held, outputs // width) * width + outputs % width
+    return out.index_select(1, where)
+
+
+def screen_dot() -> bool:
+    """Whether the screen's bfloat16 dot product (AVX512-BF16) is built here (`screen`)."""
+    return bool(_library().screen_dot())
+
+
+def screen(pairs: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """Approximate x·Wᵀ from bfloat16 inputs `pairs` (M, K2) int32 (a bfloat16 (M, 2·K2) row's pairs) and W's
+    bfloat16 panels (`to_panels`), with the dot-product instruction (only where `screen_dot()`): (M, panels·LANES)
+    float32, the padding rows' outputs 0."""
+    m, k2 = pairs.shape
+    out = torch.empty(m, panels.shape[0] * panels.shape[2], dtype=torch.float32)
+    _library().screen_bf16(pairs.data_ptr(), m, k2, panels.data_ptr(), panels.shape[0], out.data_ptr(), out.shape[1])
+    return out
+
+
+def select(scores: torch.Tensor, thresholds: torch.Tensor, n: int) -> torch.Tensor:
+    """The columns v < n where any row of `scores` (M, ≥ n) float32 reaches its row's threshold (M,) float32, sorted."""
+    out = torch.empty(n, dtype=torch.int64)
+    count = _library().screen_select(
+        scores.data_ptr(), scores.shape[0], n, scores.stride(0), thresholds.data_ptr(), out.data_ptr()
+    )
+    return out[:count]
 
 
 def lanes() -> int:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mirror_train import attention, fused_layer, kv_cache, static_step
+from mirror_train import attention, fused_layer, kv_cache, screened_head, static_step
 from mirror_train.alignment import align_parameters
 from mirror_train.devices import resolve_device
 from mirror_train.errors import MirrorTrainError
@@ -279,14 +279,15 @@ class Target:
         return self.suffix_states(state)[0]
 
     @torch.inference_mode()
-    def suffix_states(self, state: PrefixState) -> tuple[torch.Tensor, torch.Tensor]:
+    def suffix_states(self, state: PrefixState, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
         """`suffix`, and the final states (B, T, H) the LM head read (after the final norm: layer N's cached state,
-        what a draft reading the target's final states is fed)."""
+        what a draft reading the target's final states is fed). `logits=False`: the LM head is left to the caller
+        (None in their place, where they are not made anyway: `greedy` reads the states)."""
         if state.static is not None:
             return self.static.suffix(state.static, state.exit_layer)
         hidden = self.run_layers(state, self.decoder.layers, range(state.exit_layer, self.num_layers))
         final = self.decoder.norm(hidden)
-        return self.logits(final), final
+        return (self.logits(final) if logits else None), final
 
     def run_layers(self, state: PrefixState, layers, indices) -> torch.Tensor:
         """Run `layers[i]` for i in `indices` (0-based: layer i+1 of the convention) on `state.hidden`.
@@ -331,13 +332,14 @@ class Target:
 
     @torch.inference_mode()
     def prefill(
-        self, input_ids: torch.Tensor, cache, exit_layer: int, on_exit=None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, input_ids: torch.Tensor, cache, exit_layer: int, on_exit=None, logits: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Fill `cache` with every layer's K/V for `input_ids` (B, T) in one pass, as transformers' `generate` does
         (a prompt split differently rounds differently in bf16). Returns the ℓe states (B, T, H), for a proxy head
         or draft with a cache of its own, the final logits of the last position (B, V): the first new token (the LM
         head runs on that row only), and the final states (B, T, H) (as `suffix_states`). `on_exit(states)`, if
-        given, is called with the ℓe states between the halves (to send them on while the upper layers run)."""
+        given, is called with the ℓe states between the halves (to send them on while the upper layers run).
+        `logits=False`: None for the logits (the caller reads the final states with `greedy`)."""
         if isinstance(cache, static_step.StaticKV):
             return self.static.prefill(input_ids, exit_layer, on_exit)
         state = self.prefix(input_ids, cache, exit_layer)
@@ -345,7 +347,7 @@ class Target:
         if on_exit is not None:
             on_exit(exit_hidden)
         final = self.decoder.norm(self.run_layers(state, self.decoder.layers, range(exit_layer, self.num_layers)))
-        return exit_hidden, self.logits(final[:, -1]), final
+        return exit_hidden, (self.logits(final[:, -1]) if logits else None), final
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -359,6 +361,15 @@ class Target:
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
+
+    @torch.inference_mode()
+    def greedy(self, normed_hidden: torch.Tensor) -> list[int]:
+        """`self.logits(normed_hidden).argmax(-1)` for each row of (..., H) states, exactly (the first id on a tie),
+        through the LM head's bfloat16 screen where the fast path built one (screened_head.py: the served head then
+        computes only the ids that could be the largest)."""
+        if self._softcap:  # its tanh can tie logits the screen tells apart
+            return self.logits(normed_hidden).reshape(-1, self.vocab_size).argmax(-1).tolist()
+        return screened_head.argmax(self.lm_head, normed_hidden)
 
     def lens_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logit lens: final norm + LM head applied to an intermediate hidden state."""

@@ -327,7 +327,8 @@ class MirrorEngine:
         if early:
             on_exit = lambda states: self._send(seq, self._start_message(seq, {"exit": states[0, :-1]}, reply))  # noqa: E731
         prompt = torch.tensor([seq.ids], device=target.device)
-        hidden, last, final = target.prefill(prompt, seq.cache, self.exit_layer, on_exit)
+        greedy = cfg.temperature == 0  # the tokens from the final states alone (`Target.greedy`), not all logits
+        hidden, last, final = target.prefill(prompt, seq.cache, self.exit_layer, on_exit, logits=not greedy)
         if seq.head_cache is not None:
             head.adapt(hidden, seq.head_cache)  # the attention head's own cache over the prompt
         states = {"exit": hidden[0], "final": final[0]}
@@ -336,7 +337,10 @@ class MirrorEngine:
         if not reply:  # asks wait until the draft should be done with the prompt (it prefills after the Start)
             seq.draft_free_s = time.monotonic() + self._draft_prefill_ms * len(seq.ids) / 1e3
         t0 = self._now()
-        first = target_tokens(last, cfg.temperature, cfg.seed, 0)[0]
+        if last is None:
+            first = target.greedy(final[0, -1:])[0]
+        else:
+            first = target_tokens(last, cfg.temperature, cfg.seed, 0)[0]
         seq.new, seq.done = truncate([first], seq.stops, seq.max_new_tokens)
         stats = StepStats(committed=len(seq.new), accepted=0, window=0)
         if seq.channel is not None and reply:
@@ -381,11 +385,15 @@ class MirrorEngine:
             branches = Branches(self._suffix_ms, candidates, self._wire(exit_states), time.monotonic())
             asked = self._send(seq, branches)
             t3 = self._now()
-        logits, final = target.suffix_states(state)  # (1, γ+1, V), (1, γ+1, H)
+        # (1, γ+1, V) or None at temperature 0 (the tokens from the final states: `Target.greedy`), (1, γ+1, H)
+        logits, final = target.suffix_states(state, logits=cfg.temperature > 0)
+        if logits is None:
+            y = target.greedy(final[0])
+        else:
+            y = target_tokens(logits[0, :main], cfg.temperature, cfg.seed, len(seq.new))
+            if forked is not None:  # the second chain's rows sample at their own output positions
+                y += target_tokens(logits[0, main:], cfg.temperature, cfg.seed, len(seq.new) + seq.fork + 1)
         t4 = self._now()
-        y = target_tokens(logits[0, :main], cfg.temperature, cfg.seed, len(seq.new))
-        if forked is not None:  # the second chain's rows sample at their own output positions
-            y += target_tokens(logits[0, main:], cfg.temperature, cfg.seed, len(seq.new) + seq.fork + 1)
         main_accepted, correction, path, alt_accepted = accept_forked(window, seq.alt, forked, y)
         alt_won = alt_accepted is not None and alt_accepted > main_accepted
         accepted, drafted = (alt_accepted, seq.alt) if alt_won else (main_accepted, window)

@@ -1,0 +1,185 @@
+"""Greedy tokens without reading the whole float32 LM head: a bfloat16 screen bounds where the argmax can be, and the
+served head computes exactly only there.
+
+A greedy step needs one thing of the LM head: the id of each row's largest logit. Computing all V logits in float32
+reads the whole head (the testbed's 49,152 x 576: 113 MB, a fifth of a step's weights) and, at a window's 8 rows,
+costs ~18% of the step's multiply-adds. The screen computes every logit from the head's weight rounded to bfloat16
+(half the bytes; with AVX512-BF16's dot product of pairs, half the instructions too, on inputs rounded to bfloat16),
+and a bound on how far each screened logit can be from the served one. Every id whose served logit could be the
+largest is a candidate; the served head (the same kernel, the same bits: `kernels.linear_at`) computes those alone,
+and the largest of them, lowest id first on a tie as `torch.argmax`, is the token. The output is the served head's
+argmax exactly, whatever the screen rounds: what it changes is the time.
+
+The bound. For a row x and an id v, with x̂, ŵ_v the screen's bfloat16 values (subnormals flushed, as the
+instruction reads them) and u = 2⁻²⁴, the screen's sum differs from the served one by at most
+    |x̂·ŵ_v − x·w_v| + γ(n)·Σ|x̂_k ŵ_vk| + γ(n)·Σ|x_k w_vk|  ≤  ‖x̂‖·(‖ŵ_v − w_v‖ + γ‖ŵ_v‖) + (γ‖x‖ + ‖x̂ − x‖)·‖w_v‖,
+(Cauchy–Schwarz, and γ(n) = n·u / (1 − n·u) bounding any order of n float32 additions: n = 2K + 2 covers both
+sums), plus n flushed subnormals. With e the largest of these over v (the per-id norms are measured once, exactly, in
+float64), the served maximum is at least m − e, m the largest screened logit, so every id whose served logit is the
+maximum has a screened logit ≥ m − 2e. On the testbed's Spec-Bench answers that left 1–8 candidates a row.
+
+Where it pays is measured once per machine, by rows (`ScreenedHead.rows`): on an AMD EPYC Zen 4 one row's head
+took 3.7 ms in float32 and 2.5 ms screened, eight rows ~6 ms either way with widened bfloat16 weights (docs/
+engine.md, thirty-third session). Greedy only: sampling needs every probability (`Target.greedy` takes the head's
+logits there), as does transformers' `generate` (its logits processors), which therefore keeps the whole head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mirror_train import alignment, kernels
+from mirror_train.timing import interleaved_median_ms
+
+# rows a call's time is measured at (a one-token step, windows); a call takes the verdict of the next one up, and
+# calls past the last take the whole head
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+# more candidates than this and the screen was no screen (a pathological row): the whole head instead
+MAX_CANDIDATES = 4096
+_U = 2.0**-24
+_TINY = 2.0**-126  # float32's smallest normal: what the dot product flushes to zero
+
+
+@dataclass
+class ScreenedHead:
+    """An LM head's screen: its bfloat16 panels and the constants of the bound, and by ROWS whether it is used."""
+
+    low: torch.Tensor  # the weight in bfloat16: its rows, or only their shape (on the meta device) where panels
+    low_panels: torch.Tensor | None  # its panels (`kernels.to_panels`): the dot product's, or the served layout's
+    dot: bool
+    slack_w: float  # max over ids of ‖ŵ_v − w_v‖ + γ‖ŵ_v‖
+    norm_w: float  # max over ids of ‖w_v‖
+    gamma: float
+    flushed: float  # what flushed subnormals can add
+    rows: tuple[bool, ...] = (True,) * len(ROWS)
+    version: tuple[int, int] = (0, 0)  # the weight's (address, version) it was made from
+
+    def used(self, n: int) -> bool:
+        for r, verdict in zip(ROWS, self.rows, strict=True):
+            if n <= r:
+                return verdict
+        return False
+
+
+def applies(head: nn.Module) -> bool:
+    """A float32 CPU linear without a bias, where the kernels build (`fastpath.install` builds screens only for heads
+    the row-exact kernel serves: the exact logits must be `kernels.linear`'s)."""
+    w = getattr(head, "weight", None)
+    return (
+        isinstance(head, nn.Linear)
+        and w is not None
+        and w.dtype == torch.float32
+        and w.device.type == "cpu"
+        and w.is_contiguous()
+        and getattr(head, "bias", None) is None
+        and kernels.available()
+    )
+
+
+def build(head: nn.Module, measure: bool = True) -> ScreenedHead | None:
+    """The screen of `head` (None where it does not apply), kept on the module (`screen_of` finds it), its use by
+    rows measured here against the whole head unless `measure` is False (then used at every row count ≤ 16)."""
+    if not applies(head):
+        head.__dict__.pop("_screen", None)
+        return None
+    w = head.weight.detach()
+    dot = kernels.screen_dot()
+    low = w.to(torch.bfloat16)
+    n, k = w.shape
+    gamma = (2 * k + 2) * _U / (1 - (2 * k + 2) * _U)
+    slack = norm = 0.0
+    for start in range(0, n, 4096):  # float64 a chunk at a time: the whole head's would be 226 MB
+        wd, ld = w[start : start + 4096].double(), low[start : start + 4096].double()
+        if dot:
+            ld = torch.where(ld.abs() < _TINY, 0.0, ld)
+        slack = max(slack, float(((ld - wd).norm(dim=1) + gamma * ld.norm(dim=1)).max()))
+        norm = max(norm, float(wd.norm(dim=1).max()))
+    panels = kernels.panels_of(head) is not None or dot
+    placed = alignment.pack([kernels.to_panels(low) if panels else low])[0]  # huge pages, as the weights
+    screen = ScreenedHead(
+        low=torch.empty(n, k, dtype=torch.bfloat16, device="meta") if panels else placed,
+        low_panels=placed if panels else None,
+        dot=dot,
+        slack_w=slack * (1 + 1e-9),
+        norm_w=norm * (1 + 1e-9),
+        gamma=gamma,
+        flushed=(2 * k + 2) * _TINY,
+        version=(head.weight.data_ptr(), head.weight._version),
+    )
+    head.__dict__["_screen"] = screen
+    if measure:
+        screen.rows = _measure(head, screen)
+    return screen
+
+
+def screen_of(head: nn.Module) -> ScreenedHead | None:
+    """The screen `build` kept on `head`, made again if its weight has moved or changed in place since; None where
+    none was built (the head serves greedy calls whole)."""
+    screen = head.__dict__.get("_screen")
+    if screen is None:
+        return None
+    if screen.version != (head.weight.data_ptr(), head.weight._version):
+        rows, screen = screen.rows, build(head, measure=False)
+        if screen is not None:
+            screen.rows = rows  # what was measured stays: the weight's values do not change the head's time
+    return screen
+
+
+def argmax(head: nn.Module, x: torch.Tensor) -> list[int]:
+    """The id of the largest logit of `head(x)` for each row of x (..., K), as `head(x).argmax(-1)` gives it (the
+    first on a tie), through the screen where one is built and pays at this many rows."""
+    rows = x.reshape(-1, x.shape[-1])
+    screen = screen_of(head)
+    if screen is None or not screen.used(rows.shape[0]) or rows.dtype != torch.float32:
+        return head(rows).argmax(-1).tolist()
+    ids = screened_argmax(head, screen, rows)
+    return head(rows).argmax(-1).tolist() if ids is None else ids
+
+
+def screened_argmax(head: nn.Module, screen: ScreenedHead, rows: torch.Tensor) -> list[int] | None:
+    """`argmax` through the screen (None: no screen here, the bound is not finite or passes MAX_CANDIDATES)."""
+    rows = rows.contiguous()
+    w = head.weight.detach()
+    if screen.dot:
+        x16 = rows.to(torch.bfloat16)
+        x16 = torch.where(x16.abs() < _TINY, 0.0, x16)  # the instruction flushes subnormal inputs
+        if x16.shape[1] % 2:
+            x16 = torch.nn.functional.pad(x16, (0, 1))
+        scores = kernels.screen(x16.view(torch.int32), screen.low_panels)
+        x_low = x16.double()[:, : rows.shape[1]]
+    else:
+        scores = kernels.linear(rows, screen.low, None, screen.low_panels)
+        x_low = rows.double()
+    x64 = rows.double()
+    norm_x, norm_low = x64.norm(dim=1), x_low.norm(dim=1)
+    error = norm_low * screen.slack_w + (screen.gamma * norm_x + (x_low - x64).norm(dim=1)) * screen.norm_w
+    error = (error + screen.flushed) * (1 + 1e-9)
+    top = scores[:, : w.shape[0]].amax(dim=1).double()
+    floor = top - 2 * error
+    if not bool(torch.isfinite(floor).all()):
+        return None
+    thresholds = floor.float()
+    below = torch.nextafter(thresholds, torch.full_like(thresholds, -math.inf))
+    thresholds = torch.where(thresholds.double() > floor, below, thresholds)  # rounded down: never fewer candidates
+    candidates = kernels.select(scores, thresholds, w.shape[0])
+    if candidates.numel() == 0 or candidates.numel() > MAX_CANDIDATES:
+        return None
+    exact = kernels.linear_at(rows, w, candidates, kernels.panels_of(head))
+    return candidates[exact.argmax(dim=1)].tolist()
+
+
+def _measure(head: nn.Module, screen: ScreenedHead, repeats: int = 9) -> tuple[bool, ...]:
+    """Whether the screen beats the whole head at each of ROWS rows, here (interleaved medians on random rows)."""
+    g = torch.Generator().manual_seed(0)
+    fns = {}
+    with torch.inference_mode():
+        for n in ROWS:
+            x = torch.randn(n, head.weight.shape[1], generator=g)
+            fns[(n, "whole")] = lambda x=x: head(x).argmax(-1).tolist()
+            fns[(n, "screen")] = lambda x=x: screened_argmax(head, screen, x)
+        times = interleaved_median_ms(fns, repeats=repeats, warmup=1)
+    return tuple(times[(n, "screen")] < times[(n, "whole")] for n in ROWS)

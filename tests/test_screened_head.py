@@ -1,0 +1,123 @@
+"""The LM head's bfloat16 screen (screened_head.py): greedy tokens are the served head's argmax exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mirror_train import fastpath, kernels, screened_head
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the kernel")
+
+
+def served_head(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free head served as a target's is (the row-exact kernel), with its screen built unmeasured."""
+    head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    head.weight.data.copy_(weight)
+    head.requires_grad_(False)
+    fastpath.install(head, "exact")  # not a model: no screen of its own
+    assert screened_head.build(head, measure=False) is not None
+    return head
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", kernels.LAYOUTS)
+def test_linear_at_computes_the_served_heads_bits_for_the_outputs_it_is_asked(layout):
+    """Only some outputs, gathered rows or the panels that hold them: the same bits as the whole call's columns."""
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(301, 70, generator=g), torch.randn(9, 70, generator=g)
+    panels = kernels.to_panels(w) if layout == "panels" else None
+    whole = kernels.linear(x, w, None, panels)
+    for ids in ([0], [5, 17, 18, 300], list(range(0, 301, 7)), [299, 300]):
+        at = torch.tensor(ids)
+        assert torch.equal(kernels.linear_at(x, w, at, panels), whole[:, at])
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", kernels.LAYOUTS)
+@pytest.mark.parametrize("dot", [True, False])
+def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout, dot, monkeypatch):
+    """Random heads and rows (1–16 of them, scaled from tiny to large logits), rows whose best ids are near-ties,
+    and exact ties (duplicated weight rows: the first id wins, as torch.argmax): every token is the served head's.
+    Both screens: the dot product's (bfloat16 inputs) where the CPU has it, and the widened weights'."""
+    if dot and not kernels.screen_dot():
+        pytest.skip("no AVX512-BF16 here")
+    monkeypatch.setattr(kernels, "screen_dot", lambda: dot)
+    monkeypatch.setattr(kernels, "layout", lambda: layout)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1000, 96, generator=g) * 0.05
+    w[700] = w[30]  # exact ties between 30 and 700
+    w[701] = w[31] * (1 + 2**-20)  # near-ties
+    head = served_head(w)
+    screen = screened_head.screen_of(head)
+    assert screen.dot == dot and (screen.low_panels is not None) == (dot or layout == "panels")
+    checked = 0
+    for scale in (1e-3, 1.0, 30.0, 1e3):
+        for rows in (1, 2, 3, 5, 8, 16):
+            x = torch.randn(rows, 96, generator=g) * scale
+            x[0] = w[30] * scale * 40  # its best ids tie exactly
+            if rows > 1:
+                x[1] = w[31] * scale * 40
+            whole = head(x).argmax(-1).tolist()
+            assert screened_head.screened_argmax(head, screen, x) == whole
+            assert screened_head.argmax(head, x) == whole
+            checked += rows
+    assert whole[0] == 30  # the first of the tied ids
+    assert checked > 100
+
+
+@needs_kernel
+def test_the_screen_follows_its_heads_weight_and_steps_aside_where_it_cannot_bound():
+    """A weight changed in place: the screen is made again (old tokens would be wrong). Non-finite rows: the whole
+    head, as does a head with a bias or in another dtype (no screen built)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(200, 32, generator=g)
+    head = served_head(w)
+    x = torch.randn(4, 32, generator=g)
+    before = screened_head.screen_of(head)
+    with torch.no_grad():  # as load_state_dict changes it
+        head.weight.mul_(-1)
+    assert screened_head.screen_of(head) is not before
+    assert screened_head.argmax(head, x) == head(x).argmax(-1).tolist()
+    x[2, 3] = float("inf")
+    assert screened_head.screened_argmax(head, screened_head.screen_of(head), x) is None
+    assert screened_head.argmax(head, x) == head(x).argmax(-1).tolist()
+    biased = nn.Linear(32, 200)
+    assert screened_head.build(biased) is None and screened_head.screen_of(biased) is None
+    assert screened_head.build(nn.Linear(32, 200, bias=False).to(torch.bfloat16)) is None
+
+
+@needs_kernel
+def test_a_targets_greedy_tokens_are_its_logits_argmax(tiny_target):
+    """`Target.greedy` on a served tiny target (its screen built and measured by the fast path's install) against
+    the argmax of its logits, and the engine's greedy output against plain decoding (test_engine.py covers more)."""
+    import copy
+
+    target = copy.deepcopy(tiny_target)
+    fastpath.install(target.model, "exact")
+    assert screened_head.screen_of(target.lm_head) is not None
+    g = torch.Generator().manual_seed(2)
+    for rows in (1, 4, 9):
+        final = target.decoder.norm(torch.randn(1, rows, target.config.hidden_size, generator=g) * 3)
+        assert target.greedy(final) == target.logits(final)[0].argmax(-1).tolist()
+
+
+@pytest.mark.testbed
+def test_the_testbeds_greedy_tokens_through_the_screen_are_its_heads(testbed_target):
+    """The real head (49,152 x 576) on its own final states over real text: every row's token is the served
+    head's argmax, at every row count the screen serves, and it leaves few candidates."""
+    import copy
+
+    target = copy.deepcopy(testbed_target)
+    fastpath.install(target.model, "exact")
+    screen = screened_head.screen_of(target.lm_head) or screened_head.build(target.lm_head, measure=False)
+    text = "The quick brown fox jumps over the lazy dog. Speculative decoding keeps the target's own output: " * 4
+    ids = target.tokenizer(text, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        states, _ = target.hidden_states(ids)
+        final = states[-1][0].contiguous()
+        for rows in (1, 2, 4, 8, 16):
+            for i in range(0, final.shape[0] - rows, rows):
+                x = final[i : i + rows]
+                assert screened_head.screened_argmax(target.lm_head, screen, x) == target.lm_head(x).argmax(-1).tolist()
