@@ -300,7 +300,7 @@ class ExactLinear(nn.Linear):
         return kernels.linear(x, w, self.bias, kernels.panels_of(self))
 
     def __deepcopy__(self, memo):
-        return _plain_copy(self, memo, ("_panels",))
+        return _plain_copy(self, memo, ("_panels", "_screen"))
 
 
 PREFILL_ROWS = 2 * kernels.MAX_ROWS  # the rows `prefill_path` times a layer shape at

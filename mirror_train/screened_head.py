@@ -132,29 +132,59 @@ def screen_of(head: nn.Module) -> ScreenedHead | None:
 def argmax(head: nn.Module, x: torch.Tensor) -> list[int]:
     """The id of the largest logit of `head(x)` for each row of x (..., K), as `head(x).argmax(-1)` gives it (the
     first on a tie), through the screen where one is built and pays at this many rows."""
+    return argmax_and_scores(head, x)[0]
+
+
+def argmax_and_scores(head: nn.Module, x: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """`argmax`, and the logits it read, (rows, V): the head's own where it ran whole, else the screen's (each
+    within the bound of the head's; for statistics, never for a token)."""
     rows = x.reshape(-1, x.shape[-1])
     screen = screen_of(head)
-    if screen is None or not screen.used(rows.shape[0]) or rows.dtype != torch.float32:
-        return head(rows).argmax(-1).tolist()
-    ids = screened_argmax(head, screen, rows)
-    return head(rows).argmax(-1).tolist() if ids is None else ids
+    if screen is not None and screen.used(rows.shape[0]) and rows.dtype == torch.float32:
+        scores = screen_scores(screen, rows)
+        ids = screened_argmax(head, screen, rows, scores)
+        if ids is not None:
+            return ids, scores[:, : head.weight.shape[0]]
+    logits = head(rows)
+    return logits.argmax(-1).tolist(), logits
 
 
-def screened_argmax(head: nn.Module, screen: ScreenedHead, rows: torch.Tensor) -> list[int] | None:
-    """`argmax` through the screen (None: no screen here, the bound is not finite or passes MAX_CANDIDATES)."""
+def logits_at(head: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`head(x)[..., ids]` for rows x (M, K), computing only those where a screen is built (the served bits)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if screen_of(head) is not None and rows.dtype == torch.float32 and rows.shape[0] <= kernels.MAX_ROWS:
+        return kernels.linear_at(rows, head.weight.detach(), ids, kernels.panels_of(head))
+    return head(rows)[:, ids]
+
+
+def screen_scores(screen: ScreenedHead, rows: torch.Tensor) -> torch.Tensor:
+    """Every screened logit of float32 `rows` (M, K): (M, ≥ V), past V the panels' zero padding."""
+    if screen.dot:
+        return kernels.screen(_pairs(rows), screen.low_panels)
+    return kernels.linear(rows.contiguous(), screen.low, None, screen.low_panels)
+
+
+def _pairs(rows: torch.Tensor) -> torch.Tensor:
+    """The dot product's inputs: rows in bfloat16, subnormals flushed as the instruction reads them, K padded to
+    pairs, as (M, K2) words."""
+    x16 = rows.to(torch.bfloat16)
+    x16 = torch.where(x16.abs() < _TINY, 0.0, x16)
+    if x16.shape[1] % 2:
+        x16 = torch.nn.functional.pad(x16, (0, 1))
+    return x16.contiguous().view(torch.int32)
+
+
+def screened_argmax(
+    head: nn.Module, screen: ScreenedHead, rows: torch.Tensor, scores: torch.Tensor | None = None
+) -> list[int] | None:
+    """`argmax` through the screen (`scores`: its logits of these rows, if already made) or None: the bound is not
+    finite, or passes MAX_CANDIDATES."""
     rows = rows.contiguous()
     w = head.weight.detach()
-    if screen.dot:
-        x16 = rows.to(torch.bfloat16)
-        x16 = torch.where(x16.abs() < _TINY, 0.0, x16)  # the instruction flushes subnormal inputs
-        if x16.shape[1] % 2:
-            x16 = torch.nn.functional.pad(x16, (0, 1))
-        scores = kernels.screen(x16.view(torch.int32), screen.low_panels)
-        x_low = x16.double()[:, : rows.shape[1]]
-    else:
-        scores = kernels.linear(rows, screen.low, None, screen.low_panels)
-        x_low = rows.double()
+    if scores is None:
+        scores = screen_scores(screen, rows)
     x64 = rows.double()
+    x_low = _pairs(rows).view(torch.bfloat16)[:, : rows.shape[1]].double() if screen.dot else x64
     norm_x, norm_low = x64.norm(dim=1), x_low.norm(dim=1)
     error = norm_low * screen.slack_w + (screen.gamma * norm_x + (x_low - x64).norm(dim=1)) * screen.norm_w
     error = (error + screen.flushed) * (1 + 1e-9)

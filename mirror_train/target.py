@@ -367,9 +367,23 @@ class Target:
         """`self.logits(normed_hidden).argmax(-1)` for each row of (..., H) states, exactly (the first id on a tie),
         through the LM head's bfloat16 screen where the fast path built one (screened_head.py: the served head then
         computes only the ids that could be the largest)."""
+        return self.greedy_scores(normed_hidden)[0]
+
+    @torch.inference_mode()
+    def greedy_scores(self, normed_hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """`greedy`, and the logits it read (rows, V): exact where the whole head ran, else the screen's, each within
+        its bound of the served logit (for statistics; `logits_at` gives chosen ids' exactly)."""
         if self._softcap:  # its tanh can tie logits the screen tells apart
-            return self.logits(normed_hidden).reshape(-1, self.vocab_size).argmax(-1).tolist()
-        return screened_head.argmax(self.lm_head, normed_hidden)
+            logits = self.logits(normed_hidden).reshape(-1, self.vocab_size)
+            return logits.argmax(-1).tolist(), logits
+        return screened_head.argmax_and_scores(self.lm_head, normed_hidden)
+
+    @torch.inference_mode()
+    def logits_at(self, normed_hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`self.logits(normed_hidden)[..., ids]` as (rows, len(ids)), computing only those where the head allows."""
+        if self._softcap:
+            return self.logits(normed_hidden).reshape(-1, self.vocab_size)[:, ids]
+        return screened_head.logits_at(self.lm_head, normed_hidden, ids)
 
     def lens_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logit lens: final norm + LM head applied to an intermediate hidden state."""

@@ -6,11 +6,14 @@ the default and the fast forward path (mirror_train/fastpath.py), one thread, as
 - bandwidth: a `torch` sum over a 1 GB float32 tensor, one thread (GB/s), on 4 KiB pages and on huge pages (where
   the served weights live, alignment.py); floor: the target's weight bytes at the faster of the two (a one-token
   step must read every weight once);
-- step_ms / default_step_ms: median ms of a forward of 1, 2, 4, 8, 16 new tokens after `--context` cached
-  positions (the cache cropped back after each), on the fast path (`auto`: the row-exact kernels where they build)
-  and on torch's default path (its linears, the row-invariant attention's one SDPA call a row); onednn_step_ms the
-  same on oneDNN's prepacked linears, for comparison (where torch has oneDNN); each path on its own copy of the
-  target, every (path, width) timed in turn round after round;
+- step_ms / default_step_ms: median ms of a greedy step of 1, 2, 4, 8, 16 new tokens after `--context` cached
+  positions (the forward and each row's token, the argmax of its logits, as the engine verifies at temperature 0;
+  the cache cropped back after each), on the fast path (`auto`: the row-exact kernels where they build, the LM
+  head's bfloat16 screen where it pays, screened_head.py) and on torch's default path (its linears, the
+  row-invariant attention's one SDPA call a row, the whole head); logits_step_ms: the fast path's forward with
+  every logit (what sampling pays); onednn_step_ms the greedy step on oneDNN's prepacked linears, for comparison
+  (where torch has oneDNN); each path on its own copy of the target, every (path, width) timed in turn round after
+  round;
 - compute: the multiply-adds a window row costs (every linear's weights, the LM head's included: each row of a
   window is its own one-token step, summed in the same order for the same bits), what each row past the first
   cost measured (the 8-token step's excess over the one-token step, per row, and that as GFLOP/s), and the
@@ -50,14 +53,19 @@ def row_macs(model: torch.nn.Module) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def step_fns(target: Target, context: int) -> dict:
-    """Width → a forward of that many new tokens after `context` cached positions (the cache cropped back after)."""
+def step_fns(target: Target, context: int, logits: bool = False) -> dict:
+    """Width → a greedy step of that many new tokens after `context` cached positions (the cache cropped back
+    after): the forward and each row's token, or with `logits` the forward with every logit."""
     ids = torch.randint(0, target.vocab_size, (1, context + max(WIDTHS)), generator=torch.Generator().manual_seed(0))
     cache = target.new_cache()
     target.forward(ids[:, :context], cache)
 
     def step(w: int) -> None:
-        target.forward(ids[:, context : context + w], cache)
+        state = target.prefix(ids[:, context : context + w], cache, 1)
+        if logits:
+            target.suffix(state)
+        else:
+            target.greedy(target.suffix_states(state, logits=False)[1][0])
         Target.crop(cache, context)
 
     return {w: (lambda w=w: step(w)) for w in WIDTHS}
@@ -67,8 +75,9 @@ def step_times(targets: dict[str, Target], context: int, repeats: int) -> dict[s
     """Each path's step times, every (path, width) timed in turn round after round: measured one path after the
     other, the path timed first read up to ~20% slow on a Zen 5 (sixteenth session), as widths did (timing.py)."""
     fns = {(path, w): fn for path, target in targets.items() for w, fn in step_fns(target, context).items()}
+    fns |= {("logits", w): fn for w, fn in step_fns(targets["fast"], context, logits=True).items()}
     times = interleaved_median_ms(fns, repeats=repeats)
-    return {path: {w: times[(path, w)] for w in WIDTHS} for path in targets}
+    return {path: {w: times[(path, w)] for w in WIDTHS} for path in [*targets, "logits"]}
 
 
 def draft_step(target: Target, path: str, context: int, dtype: torch.dtype):
@@ -133,6 +142,7 @@ def main() -> None:
         "floor_ms": round(weights / bandwidth / 1e6, 2),
         "step_ms": {w: round(t, 2) for w, t in fast.items()},
         "default_step_ms": {w: round(t, 2) for w, t in default.items()},
+        "logits_step_ms": {w: round(t, 2) for w, t in times["logits"].items()},
     }
     macs = row_macs(targets["fast"].model)
     row_ms = (fast[8] - fast[1]) / 7
@@ -155,12 +165,16 @@ def main() -> None:
         return
     print(f"{result['cpu']}: {result['bandwidth_gbs']} GB/s read, floor {result['floor_ms']} ms ({kind} fast path)")
     print(f"read GB/s by pages: {result['bandwidth_by_pages_gbs']}; on huge pages: {result['huge_page_mb']} MB")
-    print("| new tokens | default ms | oneDNN ms | fast ms | fast / floor | fast / one-token fast |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| new tokens | default ms | oneDNN ms | fast ms | fast / floor | fast / one-token fast | fast, all logits ms |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for w in WIDTHS:
         dnn = f"{onednn[w]:.1f}" if onednn else "–"
-        floor = fast[w] / result["floor_ms"]
-        print(f"| {w} | {default[w]:.1f} | {dnn} | {fast[w]:.1f} | {floor:.2f} | {fast[w] / fast[1]:.2f} |")
+        floor, every = fast[w] / result["floor_ms"], times["logits"][w]
+        print(
+            f"| {w} | {default[w]:.1f} | {dnn} | {fast[w]:.1f} | {floor:.2f} | {fast[w] / fast[1]:.2f} | {every:.1f} |"
+        )
     c = result["compute"]
     print(
         f"compute: a row {c['row_mmacs']}M multiply-adds, measured {c['row_ms']} ms a row past the first "

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from mirror_train import fastpath, kernels, screened_head
+from mirror_train.target import Target
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the kernel")
 
@@ -89,12 +90,10 @@ def test_the_screen_follows_its_heads_weight_and_steps_aside_where_it_cannot_bou
 
 
 @needs_kernel
-def test_a_targets_greedy_tokens_are_its_logits_argmax(tiny_target):
+def test_a_targets_greedy_tokens_are_its_logits_argmax(tiny_model_dir):
     """`Target.greedy` on a served tiny target (its screen built and measured by the fast path's install) against
     the argmax of its logits, and the engine's greedy output against plain decoding (test_engine.py covers more)."""
-    import copy
-
-    target = copy.deepcopy(tiny_target)
+    target = Target.load(str(tiny_model_dir))
     fastpath.install(target.model, "exact")
     assert screened_head.screen_of(target.lm_head) is not None
     g = torch.Generator().manual_seed(2)
@@ -104,14 +103,12 @@ def test_a_targets_greedy_tokens_are_its_logits_argmax(tiny_target):
 
 
 @pytest.mark.testbed
-def test_the_testbeds_greedy_tokens_through_the_screen_are_its_heads(testbed_target):
+def test_the_testbeds_greedy_tokens_through_the_screen_are_its_heads(testbed_path):
     """The real head (49,152 x 576) on its own final states over real text: every row's token is the served
     head's argmax, at every row count the screen serves, and it leaves few candidates."""
-    import copy
-
-    target = copy.deepcopy(testbed_target)
+    target = Target.load(str(testbed_path))
     fastpath.install(target.model, "exact")
-    screen = screened_head.screen_of(target.lm_head) or screened_head.build(target.lm_head, measure=False)
+    screen = screened_head.screen_of(target.lm_head)
     text = "The quick brown fox jumps over the lazy dog. Speculative decoding keeps the target's own output: " * 4
     ids = target.tokenizer(text, return_tensors="pt").input_ids
     with torch.inference_mode():

@@ -388,7 +388,7 @@ class MirrorEngine:
         # (1, γ+1, V) or None at temperature 0 (the tokens from the final states: `Target.greedy`), (1, γ+1, H)
         logits, final = target.suffix_states(state, logits=cfg.temperature > 0)
         if logits is None:
-            y = target.greedy(final[0])
+            y, scores = target.greedy_scores(final[0])
         else:
             y = target_tokens(logits[0, :main], cfg.temperature, cfg.seed, len(seq.new))
             if forked is not None:  # the second chain's rows sample at their own output positions
@@ -431,9 +431,14 @@ class MirrorEngine:
         stats.prefix_ms, stats.head_ms, stats.send_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
         stats.suffix_ms, stats.wait_ms, stats.step_ms = (t4 - t3) * 1e3, (t6 - t5) * 1e3, (t6 - t0) * 1e3
         if "candidates" in info:  # the proxy's top-κ where the window stopped: online hit_κ and Ω_κ
-            probs = torch.softmax(logits[0, accepted].float(), dim=-1)
+            top = torch.tensor(info["candidates"])
+            if logits is not None:
+                row = logits[0, accepted].float()
+            else:  # the screen's logits (screened_head.py), the candidates' own made exact
+                row = scores[accepted].clone()
+                row[top] = target.logits_at(final[0, accepted], top)[0]
             stats.hit = correction in info["candidates"]
-            stats.omega = float(probs[torch.tensor(info["candidates"])].sum())
+            stats.omega = float(torch.softmax(row, dim=-1)[top].sum())
         if info:
             stats.reused = info.get("reused") if seq.method == "mirror" else None
             stats.branches = info.get("branches", 0)
