@@ -467,6 +467,16 @@ int kernel_lanes(void) { return LANES; }
    kernel, and half its bytes). How it rounds does not matter: the screen only bounds where the exact argmax can
    be, and that bound holds for any order of the sums. Without the instruction screen_dot() is 0 (the screen then
    widens bfloat16 weights in the exact kernels). */
+/* x rounded to bfloat16 as the screen reads it: to nearest even, subnormals to zero (the instruction flushes them) */
+static inline uint16_t screen_bf16_of(float f) {
+    union { float f; uint32_t u; } c = {f};
+    if (fabsf(f) < 1.17549435e-38f) return (uint16_t)(c.u >> 16 & 0x8000u);
+    return (uint16_t)((c.u + 0x7FFFu + (c.u >> 16 & 1u)) >> 16);
+}
+static inline float screen_f32_of(uint16_t h) {
+    union { uint32_t u; float f; } c = {(uint32_t)h << 16};
+    return c.f;
+}
 #if LANES == 16 && defined(__AVX512BF16__)
 int screen_dot(void) { return 1; }
 /* R input rows x C panels; x: R rows of K2 (bf16 pair) words, p: panels of K2 pair vectors, cs apart */
@@ -506,33 +516,122 @@ SCREEN_ROWS(5, 4) SCREEN_ROWS(6, 4) SCREEN_ROWS(7, 3) SCREEN_ROWS(8, 3)
 typedef void (*screen_rows_fn)(const uint32_t *, int64_t, const uint16_t *, float *, int64_t, int64_t);
 static const screen_rows_fn SCREEN_ROWS_BY[9] = {0, screen_rows_1, screen_rows_2, screen_rows_3, screen_rows_4,
                                                  screen_rows_5, screen_rows_6, screen_rows_7, screen_rows_8};
-/* y (M x panels * LANES, ldy apart) = x (M x K2 pair words) . panels; chunks of PANEL_CHUNK panels, every group of
-   up to 8 rows over a chunk while it is in L2 */
-void screen_bf16(const uint32_t *x, int64_t M, int64_t K2, const uint16_t *p, int64_t panels, float *y, int64_t ldy) {
+/* Few rows, one panel at a time (one weight stream, as the row layout's one-row linear reads: the tiles' several
+   panels at once ran one row at ~28 GB/s), each row's pairs over S independent sums so the dot products' latency
+   overlaps */
+#define SCREEN_STREAM(R, S)                                                                                        \
+static void screen_stream_##R(const uint32_t *x, int64_t K2, const uint16_t *p, float *y, int64_t ldy,             \
+                              int64_t panels) {                                                                    \
+    const int64_t cs = 2 * K2 * LANES;                                                                             \
+    for (int64_t c = 0; c < panels; c++, p += cs) {                                                                \
+        __m512 acc[R][S];                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                        \
+            _Pragma("GCC unroll 8") for (int s = 0; s < S; s++) acc[r][s] = _mm512_setzero_ps();                   \
+        int64_t j = 0;                                                                                             \
+        for (; j + S <= K2; j += S)                                                                                \
+            _Pragma("GCC unroll 8") for (int s = 0; s < S; s++) {                                                  \
+                __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(p + (j + s) * 2 * LANES));                \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][s] = _mm512_dpbf16_ps(                  \
+                    acc[r][s], (__m512bh)_mm512_set1_epi32((int)x[r * K2 + j + s]), w);                            \
+            }                                                                                                      \
+        for (; j < K2; j++) {                                                                                      \
+            __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(p + j * 2 * LANES));                          \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                    \
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)_mm512_set1_epi32((int)x[r * K2 + j]), w);       \
+        }                                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                      \
+            _Pragma("GCC unroll 8") for (int s = 1; s < S; s++) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][s]);   \
+            _mm512_storeu_ps(y + r * ldy + c * LANES, acc[r][0]);                                                  \
+        }                                                                                                          \
+    }                                                                                                              \
+}
+/* Up to SCREEN_STREAM_ROWS rows stream (Zen 4, the testbed's head: 1-4 rows 1.7-1.9 ms against the tiles' 1.9-2.9;
+   8 rows 3.3 against 3.0, docs/engine.md, thirty-third session), more take the tiles */
+SCREEN_STREAM(1, 4) SCREEN_STREAM(2, 4) SCREEN_STREAM(3, 2) SCREEN_STREAM(4, 2)
+static const screen_rows_fn SCREEN_STREAMS[5] = {0, screen_stream_1, screen_stream_2, screen_stream_3,
+                                                 screen_stream_4};
+#ifndef SCREEN_STREAM_ROWS
+#define SCREEN_STREAM_ROWS 4
+#endif
+/* y (M x panels * LANES, ldy apart) = x (M x K float32, rounded to bfloat16 into `pairs`, M x K2 words) . panels;
+   chunks of PANEL_CHUNK panels, every group of up to 8 rows over a chunk while it is in L2 */
+void screen_bf16(const float *x, int64_t M, int64_t K, const uint16_t *p, int64_t panels, float *y, int64_t ldy,
+                 uint32_t *pairs) {
+    const int64_t K2 = (K + 1) / 2;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < K2; j++) {
+            uint32_t lo = screen_bf16_of(x[m * K + 2 * j]);
+            uint32_t hi = 2 * j + 1 < K ? screen_bf16_of(x[m * K + 2 * j + 1]) : 0;
+            pairs[m * K2 + j] = lo | hi << 16;
+        }
+    if (M <= SCREEN_STREAM_ROWS) {
+        SCREEN_STREAMS[M](pairs, K2, p, y, ldy, panels);
+        return;
+    }
     for (int64_t c0 = 0; c0 < panels; c0 += PANEL_CHUNK) {
         int64_t n = panels - c0 < PANEL_CHUNK ? panels - c0 : PANEL_CHUNK;
         for (int64_t m = 0; m < M; m += 8) {
             int64_t r = M - m < 8 ? M - m : 8;
-            SCREEN_ROWS_BY[r](x + m * K2, K2, p + c0 * 2 * K2 * LANES, y + m * ldy + c0 * LANES, ldy, n);
+            SCREEN_ROWS_BY[r](pairs + m * K2, K2, p + c0 * 2 * K2 * LANES, y + m * ldy + c0 * LANES, ldy, n);
         }
     }
 }
 #else
 int screen_dot(void) { return 0; }
-void screen_bf16(const uint32_t *x, int64_t M, int64_t K2, const uint16_t *p, int64_t panels, float *y, int64_t ldy) {
-    (void)x, (void)M, (void)K2, (void)p, (void)panels, (void)y, (void)ldy;
+void screen_bf16(const float *x, int64_t M, int64_t K, const uint16_t *p, int64_t panels, float *y, int64_t ldy,
+                 uint32_t *pairs) {
+    (void)x, (void)M, (void)K, (void)p, (void)panels, (void)y, (void)ldy, (void)pairs;
 }
 #endif
 
-/* The outputs v < n of any row whose screened logit a[r * lda + v] reaches that row's threshold thr[r], in order,
-   each once, into out; returns how many. The scan of a one-token step's 49k logits takes microseconds. */
-int64_t screen_select(const float *a, int64_t M, int64_t n, int64_t lda, const float *thr, int64_t *out) {
+static float screen_max(const float *a, int64_t n) {
+    float m = -INFINITY;
+    int64_t v = 0;
+#if LANES == 16
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (; v + 16 <= n; v += 16) mv = _mm512_max_ps(_mm512_loadu_ps(a + v), mv);
+    m = _mm512_reduce_max_ps(mv);
+#elif LANES == 8
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (; v + 8 <= n; v += 8) mv = _mm256_max_ps(_mm256_loadu_ps(a + v), mv);
+    float t[8];
+    _mm256_storeu_ps(t, mv);
+    for (int i = 0; i < 8; i++) m = t[i] > m ? t[i] : m;
+#endif
+    for (; v < n; v++) m = a[v] > m ? a[v] : m;
+    return m;
+}
+
+/* The screen's candidates: every output v < n that could be the largest of a row's exact logits, in order, each
+   once, into out; returns how many, or -1 where a bound is not finite (the caller takes the whole head).
+   a: the screened logits (M rows, lda apart) of the float32 rows x (M x K); dot: x was rounded to bfloat16 (the
+   dot product's screen), else read as it is (widened bfloat16 weights). c: the head's constants (screened_head.py):
+   max over v of |w^_v - w_v| + g |w^_v|, max of |w_v|, g, what flushed subnormals add. With x^ the screen's x, a
+   row's bound is e = |x^| c0 + (g |x| + |x^ - x|) c1 + c3 (norms in double), and v is a candidate iff
+   a_v >= max_u a_u - 2e: the exact maximum is >= max a - e, and any v reaching it has a_v >= it - e. */
+int64_t screen_select(const float *a, int64_t M, int64_t n, int64_t lda, const float *x, int64_t K, int dot,
+                      const double *c, int64_t *out) {
+    double floors[64];
+    if (M > 64) return -1;
+    for (int64_t r = 0; r < M; r++) {
+        double nx = 0, nl = 0, nd = 0;
+        for (int64_t k = 0; k < K; k++) {
+            double v = x[r * K + k], l = dot ? (double)screen_f32_of(screen_bf16_of(x[r * K + k])) : v;
+            nx += v * v, nl += l * l, nd += (l - v) * (l - v);
+        }
+        double e = (sqrt(nl) * c[0] + (c[2] * sqrt(nx) + sqrt(nd)) * c[1] + c[3]) * (1 + 1e-9);
+        floors[r] = (double)screen_max(a + r * lda, n) - 2 * e;
+        if (!isfinite(floors[r])) return -1;
+    }
     int64_t count = 0, v = 0;
 #if LANES == 16
     for (; v + 16 <= n; v += 16) {
         __mmask16 hit = 0;
-        for (int64_t r = 0; r < M; r++)
-            hit |= _mm512_cmp_ps_mask(_mm512_loadu_ps(a + r * lda + v), _mm512_set1_ps(thr[r]), _CMP_GE_OQ);
+        for (int64_t r = 0; r < M; r++) {  /* a float32 threshold at or below the floor: never fewer candidates */
+            float t = (float)floors[r];
+            if ((double)t > floors[r]) t = nextafterf(t, -INFINITY);
+            hit |= _mm512_cmp_ps_mask(_mm512_loadu_ps(a + r * lda + v), _mm512_set1_ps(t), _CMP_GE_OQ);
+        }
         while (hit) {
             out[count++] = v + __builtin_ctz(hit);
             hit &= hit - 1;
@@ -541,7 +640,7 @@ int64_t screen_select(const float *a, int64_t M, int64_t n, int64_t lda, const f
 #endif
     for (; v < n; v++)
         for (int64_t r = 0; r < M; r++)
-            if (a[r * lda + v] >= thr[r]) {
+            if ((double)a[r * lda + v] >= floors[r]) {
                 out[count++] = v;
                 break;
             }
@@ -968,10 +1067,10 @@ def _library() -> ctypes.CDLL | None:
             fn.restype = None
         lib.kernel_lanes.restype = ctypes.c_int
         lib.screen_dot.restype = ctypes.c_int
-        # x pairs, M, K2, panels, how many, y, ldy; a, M, n, lda, thresholds, out
-        lib.screen_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64]
+        # x, M, K, panels, how many, y, ldy, scratch; scores, M, n, lda, x, K, dot, constants, out
+        lib.screen_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr]
         lib.screen_bf16.restype = None
-        lib.screen_select.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+        lib.screen_select.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ptr, ptr]
         lib.screen_select.restype = i64
         # q, q head / row strides, k, v, kv head / position strides, out, scratch, M, H, KVH, L, D, scale,
         # and a forked window's per-row key runs n1, s2, n2 (NULL: causal)
@@ -1050,23 +1149,38 @@ def screen_dot() -> bool:
     return bool(_library().screen_dot())
 
 
-def screen(pairs: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """Approximate x·Wᵀ from bfloat16 inputs `pairs` (M, K2) int32 (a bfloat16 (M, 2·K2) row's pairs) and W's
-    bfloat16 panels (`to_panels`), with the dot-product instruction (only where `screen_dot()`): (M, panels·LANES)
-    float32, the padding rows' outputs 0."""
-    m, k2 = pairs.shape
+def screen(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """Approximate x·Wᵀ for float32 rows x (M, K), rounded to bfloat16, from W's bfloat16 panels (`to_panels`) with
+    the dot-product instruction (only where `screen_dot()`): (M, panels·LANES) float32, the padding rows' outputs 0."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    m, k = rows.shape
     out = torch.empty(m, panels.shape[0] * panels.shape[2], dtype=torch.float32)
-    _library().screen_bf16(pairs.data_ptr(), m, k2, panels.data_ptr(), panels.shape[0], out.data_ptr(), out.shape[1])
+    pairs = torch.empty(m, (k + 1) // 2, dtype=torch.int32)
+    lib = _library()
+    lib.screen_bf16(
+        rows.data_ptr(), m, k, panels.data_ptr(), panels.shape[0], out.data_ptr(), out.shape[1], pairs.data_ptr()
+    )
     return out
 
 
-def select(scores: torch.Tensor, thresholds: torch.Tensor, n: int) -> torch.Tensor:
-    """The columns v < n where any row of `scores` (M, ≥ n) float32 reaches its row's threshold (M,) float32, sorted."""
+def select(scores: torch.Tensor, x: torch.Tensor, n: int, dot: bool, constants: torch.Tensor) -> torch.Tensor | None:
+    """The screen's candidates (sorted ids < n) for the float32 rows x (M ≤ 64, K) whose screened logits are `scores`
+    (M, ≥ n; `dot`: made from x rounded to bfloat16), `constants` the head's four float64 bound constants
+    (screened_head.py); None where a bound is not finite."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
     out = torch.empty(n, dtype=torch.int64)
     count = _library().screen_select(
-        scores.data_ptr(), scores.shape[0], n, scores.stride(0), thresholds.data_ptr(), out.data_ptr()
+        scores.data_ptr(),
+        scores.shape[0],
+        n,
+        scores.stride(0),
+        rows.data_ptr(),
+        rows.shape[1],
+        int(dot),
+        constants.data_ptr(),
+        out.data_ptr(),
     )
-    return out[:count]
+    return None if count < 0 else out[:count]
 
 
 def lanes() -> int:

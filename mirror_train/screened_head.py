@@ -26,7 +26,6 @@ logits there), as does transformers' `generate` (its logits processors), which t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -51,10 +50,9 @@ class ScreenedHead:
     low: torch.Tensor  # the weight in bfloat16: its rows, or only their shape (on the meta device) where panels
     low_panels: torch.Tensor | None  # its panels (`kernels.to_panels`): the dot product's, or the served layout's
     dot: bool
-    slack_w: float  # max over ids of ‖ŵ_v − w_v‖ + γ‖ŵ_v‖
-    norm_w: float  # max over ids of ‖w_v‖
-    gamma: float
-    flushed: float  # what flushed subnormals can add
+    # float64 (max over ids of ‖ŵ_v − w_v‖ + γ‖ŵ_v‖, max over ids of ‖w_v‖, γ, what flushed subnormals can add):
+    # the kernel's screen_select computes each row's bound from them
+    constants: torch.Tensor
     rows: tuple[bool, ...] = (True,) * len(ROWS)
     version: tuple[int, int] = (0, 0)  # the weight's (address, version) it was made from
 
@@ -104,10 +102,9 @@ def build(head: nn.Module, measure: bool = True) -> ScreenedHead | None:
         low=torch.empty(n, k, dtype=torch.bfloat16, device="meta") if panels else placed,
         low_panels=placed if panels else None,
         dot=dot,
-        slack_w=slack * (1 + 1e-9),
-        norm_w=norm * (1 + 1e-9),
-        gamma=gamma,
-        flushed=(2 * k + 2) * _TINY,
+        constants=torch.tensor(
+            [slack * (1 + 1e-9), norm * (1 + 1e-9), gamma, (2 * k + 2) * _TINY], dtype=torch.float64
+        ),
         version=(head.weight.data_ptr(), head.weight._version),
     )
     head.__dict__["_screen"] = screen
@@ -140,7 +137,7 @@ def argmax_and_scores(head: nn.Module, x: torch.Tensor) -> tuple[list[int], torc
     within the bound of the head's; for statistics, never for a token)."""
     rows = x.reshape(-1, x.shape[-1])
     screen = screen_of(head)
-    if screen is not None and screen.used(rows.shape[0]) and rows.dtype == torch.float32:
+    if screen is not None and screen.used(rows.shape[0]) and rows.dtype == torch.float32 and rows.shape[0] <= 64:
         scores = screen_scores(screen, rows)
         ids = screened_argmax(head, screen, rows, scores)
         if ids is not None:
@@ -160,18 +157,8 @@ def logits_at(head: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> torch.Tens
 def screen_scores(screen: ScreenedHead, rows: torch.Tensor) -> torch.Tensor:
     """Every screened logit of float32 `rows` (M, K): (M, ≥ V), past V the panels' zero padding."""
     if screen.dot:
-        return kernels.screen(_pairs(rows), screen.low_panels)
+        return kernels.screen(rows, screen.low_panels)
     return kernels.linear(rows.contiguous(), screen.low, None, screen.low_panels)
-
-
-def _pairs(rows: torch.Tensor) -> torch.Tensor:
-    """The dot product's inputs: rows in bfloat16, subnormals flushed as the instruction reads them, K padded to
-    pairs, as (M, K2) words."""
-    x16 = rows.to(torch.bfloat16)
-    x16 = torch.where(x16.abs() < _TINY, 0.0, x16)
-    if x16.shape[1] % 2:
-        x16 = torch.nn.functional.pad(x16, (0, 1))
-    return x16.contiguous().view(torch.int32)
 
 
 def screened_argmax(
@@ -179,24 +166,11 @@ def screened_argmax(
 ) -> list[int] | None:
     """`argmax` through the screen (`scores`: its logits of these rows, if already made) or None: the bound is not
     finite, or passes MAX_CANDIDATES."""
-    rows = rows.contiguous()
     w = head.weight.detach()
     if scores is None:
         scores = screen_scores(screen, rows)
-    x64 = rows.double()
-    x_low = _pairs(rows).view(torch.bfloat16)[:, : rows.shape[1]].double() if screen.dot else x64
-    norm_x, norm_low = x64.norm(dim=1), x_low.norm(dim=1)
-    error = norm_low * screen.slack_w + (screen.gamma * norm_x + (x_low - x64).norm(dim=1)) * screen.norm_w
-    error = (error + screen.flushed) * (1 + 1e-9)
-    top = scores[:, : w.shape[0]].amax(dim=1).double()
-    floor = top - 2 * error
-    if not bool(torch.isfinite(floor).all()):
-        return None
-    thresholds = floor.float()
-    below = torch.nextafter(thresholds, torch.full_like(thresholds, -math.inf))
-    thresholds = torch.where(thresholds.double() > floor, below, thresholds)  # rounded down: never fewer candidates
-    candidates = kernels.select(scores, thresholds, w.shape[0])
-    if candidates.numel() == 0 or candidates.numel() > MAX_CANDIDATES:
+    candidates = kernels.select(scores, rows, w.shape[0], screen.dot, screen.constants)
+    if candidates is None or candidates.numel() == 0 or candidates.numel() > MAX_CANDIDATES:
         return None
     exact = kernels.linear_at(rows, w, candidates, kernels.panels_of(head))
     return candidates[exact.argmax(dim=1)].tolist()
