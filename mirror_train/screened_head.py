@@ -14,14 +14,14 @@ The bound. For a row x and an id v, with x̂, ŵ_v the screen's bfloat16 values 
 instruction reads them) and u = 2⁻²⁴, the screen's sum differs from the served one by at most
     |x̂·ŵ_v − x·w_v| + γ(n)·Σ|x̂_k ŵ_vk| + γ(n)·Σ|x_k w_vk|  ≤  ‖x̂‖·(‖ŵ_v − w_v‖ + γ‖ŵ_v‖) + (γ‖x‖ + ‖x̂ − x‖)·‖w_v‖,
 (Cauchy–Schwarz, and γ(n) = n·u / (1 − n·u) bounding any order of n float32 additions: n = 2K + 2 covers both
-sums), plus n flushed subnormals. With e the largest of these over v (the per-id norms are measured once, exactly, in
-float64), the served maximum is at least m − e, m the largest screened logit, so every id whose served logit is the
-maximum has a screened logit ≥ m − 2e. On the testbed's Spec-Bench answers that left 1–8 candidates a row.
+sums), plus n flushed subnormals. With e this bound at the per-id norms' maxima (measured once, exactly, in float64;
+the row's norms in float64 each call), the served maximum is at least m − e, m the largest screened logit, so every
+id whose served logit is the maximum has a screened logit ≥ m − 2e: the candidates (kernels' `screen_select`).
 
-Where it pays is measured once per machine, by rows (`ScreenedHead.rows`): on an AMD EPYC Zen 4 one row's head
-took 3.7 ms in float32 and 2.5 ms screened, eight rows ~6 ms either way with widened bfloat16 weights (docs/
-engine.md, thirty-third session). Greedy only: sampling needs every probability (`Target.greedy` takes the head's
-logits there), as does transformers' `generate` (its logits processors), which therefore keeps the whole head.
+Where it pays is measured once per machine, by rows (`ScreenedHead.rows`, at the fast path's install): with the
+dot product it roughly halves the head's time at 1–16 rows on an AVX-512 Zen 4 core (docs/engine.md, thirty-third
+session). Greedy only: sampling needs every probability (`Target.greedy_scores` is for temperature 0), as does
+transformers' `generate` (its logits processors), which therefore still reads the whole head.
 """
 
 from __future__ import annotations

@@ -38,16 +38,18 @@ def test_linear_at_computes_the_served_heads_bits_for_the_outputs_it_is_asked(la
 @needs_kernel
 @pytest.mark.parametrize("layout", kernels.LAYOUTS)
 @pytest.mark.parametrize("dot", [True, False])
-def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout, dot, monkeypatch):
+@pytest.mark.parametrize("k", [96, 95])
+def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout, dot, k, monkeypatch):
     """Random heads and rows (1–16 of them, scaled from tiny to large logits), rows whose best ids are near-ties,
     and exact ties (duplicated weight rows: the first id wins, as torch.argmax): every token is the served head's.
-    Both screens: the dot product's (bfloat16 inputs) where the CPU has it, and the widened weights'."""
+    Both screens: the dot product's (bfloat16 inputs, an odd K's last pair padded) where the CPU has it, and the
+    widened weights'."""
     if dot and not kernels.screen_dot():
         pytest.skip("no AVX512-BF16 here")
     monkeypatch.setattr(kernels, "screen_dot", lambda: dot)
     monkeypatch.setattr(kernels, "layout", lambda: layout)
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(1000, 96, generator=g) * 0.05
+    w = torch.randn(1000, k, generator=g) * 0.05
     w[700] = w[30]  # exact ties between 30 and 700
     w[701] = w[31] * (1 + 2**-20)  # near-ties
     head = served_head(w)
@@ -56,7 +58,7 @@ def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout
     checked = 0
     for scale in (1e-3, 1.0, 30.0, 1e3):
         for rows in (1, 2, 3, 5, 8, 16):
-            x = torch.randn(rows, 96, generator=g) * scale
+            x = torch.randn(rows, k, generator=g) * scale
             x[0] = w[30] * scale * 40  # its best ids tie exactly
             if rows > 1:
                 x[1] = w[31] * scale * 40
