@@ -128,7 +128,8 @@ def install(model: nn.Module, kind: str = "auto") -> str:
     if not linears:
         return kind
     for module in linears:
-        for key in ("_packed", "_packed_dtype", "min_rows", "routes", "_panels", "_screen"):  # an earlier install's
+        # an earlier install's state (a screen stays where this install serves the head as it did: `exact` below)
+        for key in ("_packed", "_packed_dtype", "min_rows", "routes", "_panels") + (("_screen",) * (kind != "exact")):
             module.__dict__.pop(key, None)
         if kind in ("exact", "fastest"):  # timed now, not inside the first request
             prefill_path(tuple(module.weight.shape), module.bias is not None, module.weight.dtype)
@@ -139,8 +140,8 @@ def install(model: nn.Module, kind: str = "auto") -> str:
         if panels:
             kernels.serve_panels(*[m for m in linears if m.weight.dtype in kernels.WEIGHT_DTYPES])
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if isinstance(head, ExactLinear):  # greedy tokens through a bfloat16 screen, where it pays (measured here)
-            screened_head.build(head)
+        if isinstance(head, ExactLinear) and screened_head.screen_of(head) is None:
+            screened_head.build(head)  # greedy tokens through a bfloat16 screen, where it pays (measured here)
         return kind
     if kind == "fastest":
         paths = ["torch"]
