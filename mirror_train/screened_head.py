@@ -36,7 +36,7 @@ from mirror_train.timing import interleaved_median_ms
 
 # rows a call's time is measured at (a one-token step, windows); a call takes the verdict of the next one up, and
 # calls past the last take the whole head
-ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # 64: kernels.MAX_ROWS, past which the head is a GEMM
 # more candidates than this and the screen was no screen (a pathological row): the whole head instead
 MAX_CANDIDATES = 4096
 _U = 2.0**-24
@@ -81,7 +81,7 @@ def applies(head: nn.Module) -> bool:
 
 def build(head: nn.Module, measure: bool = True) -> ScreenedHead | None:
     """The screen of `head` (None where it does not apply), kept on the module (`screen_of` finds it), its use by
-    rows measured here against the whole head unless `measure` is False (then used at every row count ≤ 16)."""
+    rows measured here against the whole head unless `measure` is False (then used at every row count ≤ 64)."""
     if not applies(head):
         head.__dict__.pop("_screen", None)
         return None

@@ -40,7 +40,7 @@ def test_linear_at_computes_the_served_heads_bits_for_the_outputs_it_is_asked(la
 @pytest.mark.parametrize("dot", [True, False])
 @pytest.mark.parametrize("k", [96, 95])
 def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout, dot, k, monkeypatch):
-    """Random heads and rows (1–16 of them, scaled from tiny to large logits), rows whose best ids are near-ties,
+    """Random heads and rows (1–40 of them, scaled from tiny to large logits), rows whose best ids are near-ties,
     and exact ties (duplicated weight rows: the first id wins, as torch.argmax): every token is the served head's.
     Both screens: the dot product's (bfloat16 inputs, an odd K's last pair padded) where the CPU has it, and the
     widened weights'."""
@@ -57,7 +57,7 @@ def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout
     assert screen.dot == dot and (screen.low_panels is not None) == (dot or layout == "panels")
     checked = 0
     for scale in (1e-3, 1.0, 30.0, 1e3):
-        for rows in (1, 2, 3, 5, 8, 16):
+        for rows in (1, 2, 3, 5, 8, 16, 40):
             x = torch.randn(rows, k, generator=g) * scale
             x[0] = w[30] * scale * 40  # its best ids tie exactly
             if rows > 1:
@@ -120,3 +120,22 @@ def test_the_testbeds_greedy_tokens_through_the_screen_are_its_heads(testbed_pat
             for i in range(0, final.shape[0] - rows, rows):
                 x = final[i : i + rows]
                 assert screened_head.screened_argmax(target.lm_head, screen, x) == target.lm_head(x).argmax(-1).tolist()
+
+
+@needs_kernel
+def test_the_avx2_and_scalar_builds_screen_the_same_tokens(other_kernel_build):
+    """Built as an AVX2-only CPU (no dot product: the widened bfloat16 weights) and as plain x86-64 build them, the
+    screen's selection runs its 8-lane and scalar code: the tokens are still the head's."""
+    assert not kernels.screen_dot()
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(777, 40, generator=g) * 0.1
+    w[500] = w[7]
+    head = served_head(w)
+    screen = screened_head.screen_of(head)
+    assert not screen.dot
+    for rows in (1, 2, 5, 16):
+        x = torch.randn(rows, 40, generator=g) * 10
+        x[0] = w[7] * 100
+        whole = head(x).argmax(-1).tolist()
+        assert screened_head.screened_argmax(head, screen, x) == whole
+        assert whole[0] == 7
