@@ -129,7 +129,9 @@ def install(model: nn.Module, kind: str = "auto") -> str:
         return kind
     for module in linears:
         # an earlier install's state (a screen stays where this install serves the head as it did: `exact` below)
-        for key in ("_packed", "_packed_dtype", "min_rows", "routes", "_panels") + (("_screen",) * (kind != "exact")):
+        for key in ("_packed", "_packed_dtype", "min_rows", "routes", "_panels", "_dot") + (
+            ("_screen",) * (kind != "exact")
+        ):
             module.__dict__.pop(key, None)
         if kind in ("exact", "fastest"):  # timed now, not inside the first request
             prefill_path(tuple(module.weight.shape), module.bias is not None, module.weight.dtype)
@@ -147,8 +149,14 @@ def install(model: nn.Module, kind: str = "auto") -> str:
         paths = ["torch"]
         paths += ["onednn"] if onednn_packs(linears[0].weight.dtype) else []
         paths += ["exact"] if param.dtype in kernels.WEIGHT_DTYPES and kernels.available() else []
+        # bfloat16 weights on AVX512-BF16's dot product, the inputs rounded to bfloat16 (a draft only proposes), read
+        # from their panels: at 8-48 rows ~1.5-2x the widening kernel's speed on a Zen 4 core (thirty-third session)
+        dot = "exact" in paths and all(m.weight.dtype == torch.bfloat16 for m in linears) and kernels.screen_dot()
+        paths += ["dot"] if dot else []
         routes: dict[tuple, tuple[str, ...]] = {}
-        if panels and "exact" in paths:  # every contiguous weight's (the kernel reads them in place), one arena
+        if (
+            panels or dot
+        ) and "exact" in paths:  # every contiguous weight's (the kernel reads them in place), one arena
             kernels.serve_panels(*[m for m in linears if m.weight.is_contiguous()])
         for module in linears:
             module.__class__ = RoutedLinear
@@ -157,8 +165,18 @@ def install(model: nn.Module, kind: str = "auto") -> str:
             contiguous = module.weight.is_contiguous()  # the kernel reads (N, K) rows in place
             shape = (tuple(module.weight.shape), module.bias is not None, module.weight.dtype, contiguous)
             if shape not in routes:
-                routes[shape] = _routes(module, [p for p in paths if p != "exact" or contiguous], param.dtype)
+                routes[shape] = _routes(
+                    module, [p for p in paths if p not in ("exact", "dot") or contiguous], param.dtype
+                )
             module.routes = routes[shape]
+        # the fused layers read their linears on the dot product where the routes took it for most of the weights'
+        # calls up to 16 rows (by weight size: a small k or v projection's timings are mostly noise)
+        upto = ROUTE_ROWS.index(16) + 1
+        share = sum(m.weight.numel() * m.routes[:upto].count("dot") for m in linears)
+        for module in linears:
+            module.__dict__["_dot"] = dot and share * 2 > upto * sum(m.weight.numel() for m in linears)
+        for layer in fused_layer.decoder_layers(model):  # an earlier install's read mode
+            layer.__dict__.pop("_fused_weights", None)
         fused_layer.cap_rows(model)  # after the routes: the modules' path it is timed against is theirs
         return kind
     crossovers: dict[tuple, float] = {}
@@ -243,7 +261,7 @@ def _routes(
     if "onednn" in paths:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in copies] if count > 1 else [linear._packed]
     panels = [None] * count
-    if "exact" in paths and kernels.panels_of(linear) is not None:  # timed as served: on its own panels
+    if ("exact" in paths or "dot" in paths) and kernels.panels_of(linear) is not None:  # timed as served: on panels
         panels = alignment.pack([kernels.to_panels(w) for w in copies])
     turn = [0]  # one counter for every timed call: a copy is read again only after all the others
 
@@ -315,10 +333,12 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def run_path(
     path: str, x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | None, panels=None
 ) -> torch.Tensor:
-    """One linear call on a `fastest` route: the row-exact kernel on `weight` (on its `panels` where given),
-    oneDNN on its prepacked copy `packed`, or torch's own."""
+    """One linear call on a `fastest` route: the row-exact kernel on `weight` (on its `panels` where given), the dot
+    product on its bfloat16 `panels`, oneDNN on its prepacked copy `packed`, or torch's own."""
     if path == "exact":
         return kernels.linear(x, weight, bias, panels)
+    if path == "dot":
+        return kernels.linear_dot(x, weight.shape[0], panels, bias)
     if x.dtype != weight.dtype:  # float32 activations on half-precision weights (_widen_activations)
         return run_path(path, x.to(weight.dtype), weight, packed, bias).to(x.dtype)
     if path == "onednn":
@@ -406,7 +426,7 @@ class RoutedLinear(PackedLinear):
     routes: tuple[str, ...] = ()
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
-        panels = kernels.panels_of(self) if path == "exact" else None
+        panels = kernels.panels_of(self) if path in ("exact", "dot") else None
         return run_path(path, x, self.weight, self.__dict__.get("_packed"), self.bias, panels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -419,4 +439,4 @@ class RoutedLinear(PackedLinear):
         return self.run(x, self.routes[bisect.bisect_left(ROUTE_ROWS, rows)])
 
     def __deepcopy__(self, memo):
-        return _plain_copy(self, memo, ("_packed", "_packed_dtype", "min_rows", "routes", "_panels"))
+        return _plain_copy(self, memo, ("_packed", "_packed_dtype", "min_rows", "routes", "_panels", "_dot"))

@@ -553,17 +553,20 @@ static const screen_rows_fn SCREEN_STREAMS[5] = {0, screen_stream_1, screen_stre
 #ifndef SCREEN_STREAM_ROWS
 #define SCREEN_STREAM_ROWS 4
 #endif
-/* y (M x panels * LANES, ldy apart) = x (M x K float32, rounded to bfloat16 into `pairs`, M x K2 words) . panels;
-   chunks of PANEL_CHUNK panels, every group of up to 8 rows over a chunk while it is in L2 */
-void screen_bf16(const float *x, int64_t M, int64_t K, const uint16_t *p, int64_t panels, float *y, int64_t ldy,
-                 uint32_t *pairs) {
+/* x's M rows (ldx apart) rounded to bfloat16, as pairs: M x K2 words */
+static void dot_pairs(const float *x, int64_t ldx, int64_t M, int64_t K, uint32_t *pairs) {
     const int64_t K2 = (K + 1) / 2;
     for (int64_t m = 0; m < M; m++)
         for (int64_t j = 0; j < K2; j++) {
-            uint32_t lo = screen_bf16_of(x[m * K + 2 * j]);
-            uint32_t hi = 2 * j + 1 < K ? screen_bf16_of(x[m * K + 2 * j + 1]) : 0;
+            uint32_t lo = screen_bf16_of(x[m * ldx + 2 * j]);
+            uint32_t hi = 2 * j + 1 < K ? screen_bf16_of(x[m * ldx + 2 * j + 1]) : 0;
             pairs[m * K2 + j] = lo | hi << 16;
         }
+}
+/* y (M x panels * LANES, ldy apart) = pairs . panels; up to SCREEN_STREAM_ROWS rows stream, more go in tiles over
+   chunks of PANEL_CHUNK panels, every group of up to 8 rows over a chunk while it is in L2 */
+static void dot_panels(const uint32_t *pairs, int64_t M, int64_t K2, const uint16_t *p, int64_t panels, float *y,
+                       int64_t ldy) {
     if (M <= SCREEN_STREAM_ROWS) {
         SCREEN_STREAMS[M](pairs, K2, p, y, ldy, panels);
         return;
@@ -576,11 +579,44 @@ void screen_bf16(const float *x, int64_t M, int64_t K, const uint16_t *p, int64_
         }
     }
 }
+/* The screen: y (M x panels * LANES) = x (M x K float32 rows, rounded to bfloat16 into `pairs`) . panels */
+void screen_bf16(const float *x, int64_t M, int64_t K, const uint16_t *p, int64_t panels, float *y, int64_t ldy,
+                 uint32_t *pairs) {
+    dot_pairs(x, K, M, K, pairs);
+    dot_panels(pairs, M, (K + 1) / 2, p, panels, y, ldy);
+}
+/* A draft's linear on the dot product (fastpath's `dot` path, a fused draft layer's wpanels = 2): y = x . W^T (+ b)
+   for an N x K bfloat16 weight as panels, x's rows rounded to bfloat16 first (a draft only proposes: any rounding
+   will do). Whole panels straight into y, the last, partial one through a small buffer. */
+void linear_dot(const float *x, int64_t ldx, const uint16_t *p, const float *b, float *y, int64_t ldy, int64_t M,
+                int64_t N, int64_t K, uint32_t *pairs) {
+    const int64_t K2 = (K + 1) / 2, full = N / LANES, rest = N - full * LANES;
+    dot_pairs(x, ldx, M, K, pairs);
+    dot_panels(pairs, M, K2, p, full, y, ldy);
+    if (rest) {
+        float buf[8 * LANES];
+        for (int64_t m = 0; m < M; m += 8) {
+            int64_t r = M - m < 8 ? M - m : 8;
+            dot_panels(pairs + m * K2, r, K2, p + full * 2 * K2 * LANES, 1, buf, LANES);
+            for (int64_t j = 0; j < r; j++)
+                for (int64_t i = 0; i < rest; i++) y[(m + j) * ldy + full * LANES + i] = buf[j * LANES + i];
+        }
+    }
+    if (b)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) y[m * ldy + n] += b[n];
+}
 #else
 int screen_dot(void) { return 0; }
 void screen_bf16(const float *x, int64_t M, int64_t K, const uint16_t *p, int64_t panels, float *y, int64_t ldy,
                  uint32_t *pairs) {
     (void)x, (void)M, (void)K, (void)p, (void)panels, (void)y, (void)ldy, (void)pairs;
+}
+/* without the instruction: the same panels widened (Python never asks for it here; a layer's mode 2 still works) */
+void linear_dot(const float *x, int64_t ldx, const uint16_t *p, const float *b, float *y, int64_t ldy, int64_t M,
+                int64_t N, int64_t K, uint32_t *pairs) {
+    (void)pairs;
+    linear_panels_BF16(x, ldx, p, b, y, ldy, M, N, K);
 }
 #endif
 
@@ -950,7 +986,8 @@ static inline vec vsilu(vec g) {  /* g / (1 + exp(-g)), exp over the whole float
 
 /* one of the layer's linears on its weights' type: float32, or bfloat16 widened on load (wbf16) */
 #define LAYER_LINEAR(x, ldx, i, y, ldy, N, K)                                                                       \
-    (wpanels ? (wbf16 ? linear_panels_BF16(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K)                   \
+    (wpanels == 2 ? linear_dot(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K, pr) :                          \
+    wpanels ? (wbf16 ? linear_panels_BF16(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K)                    \
                       : linear_panels_F32(x, ldx, (const float *)w[i], b[i], y, ldy, M, N, K))                      \
              : (wbf16 ? linear_BF16(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K)                          \
                       : linear_F32(x, ldx, (const float *)w[i], b[i], y, ldy, M, N, K)))
@@ -960,11 +997,16 @@ void decoder_layer_f32(float *x, int64_t M, int64_t H, const float *ln1, const f
                        const float *cos, const float *sin, float *kbuf, float *vbuf, int64_t kv_sh, int64_t kv_sl,
                        int64_t past, float scale, const int64_t *n1, const int64_t *s2, const int64_t *n2,
                        float *scratch, int wbf16, int wpanels) {
-    /* w: q, k, v, o, gate, up, down (N x K row-major, or as panels: wpanels; all float32 or all bfloat16: wbf16);
+    /* w: q, k, v, o, gate, up, down (N x K row-major, or as panels: wpanels 1, or bfloat16 panels on the dot product
+       with the inputs rounded to bfloat16: wpanels 2; all float32 or all bfloat16: wbf16);
        b: float32 biases or NULL. The activations, the cache and every sum are float32 either way. */
     int64_t QD = NH * D, KD = KVH * D, L = past + M;
     float *n = scratch, *q = n + M * H, *k = q + M * QD, *v = k + M * KD, *att = v + M * KD, *g = att + M * QD;
-    float *u = g + M * I, *o = u + M * I, *as = o + M * H;  /* as: the attention's RB_MAX x L scores */
+    /* pr: the dot product's bfloat16 inputs (wpanels 2), as: the attention's RB_MAX x L scores */
+    int64_t PW = ((H > QD ? (H > I ? H : I) : (QD > I ? QD : I)) + 1) / 2;
+    float *u = g + M * I, *o = u + M * I;
+    uint32_t *pr = (uint32_t *)(o + M * H);
+    float *as = (float *)(pr + M * PW);
     rms_norm(x, ln1, eps, n, M, H);
     LAYER_LINEAR(n, H, 0, q, QD, QD, H);
     LAYER_LINEAR(n, H, 1, k, KD, KD, H);
@@ -1072,6 +1114,9 @@ def _library() -> ctypes.CDLL | None:
         lib.screen_bf16.restype = None
         lib.screen_select.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ptr, ptr]
         lib.screen_select.restype = i64
+        # x, ldx, panels, bias, y, ldy, M, N, K, scratch
+        lib.linear_dot.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
+        lib.linear_dot.restype = None
         # q, q head / row strides, k, v, kv head / position strides, out, scratch, M, H, KVH, L, D, scale,
         # and a forked window's per-row key runs n1, s2, n2 (NULL: causal)
         lib.attention_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, *[i64] * 5, ctypes.c_float]
@@ -1142,6 +1187,21 @@ def linear_at(x: torch.Tensor, weight: torch.Tensor, outputs: torch.Tensor, pane
     )
     where = torch.searchsorted(held, outputs // width) * width + outputs % width
     return out.index_select(1, where)
+
+
+def linear_dot(x: torch.Tensor, n: int, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) · Wᵀ (+ bias) for an (n, K) bfloat16 weight given as its panels (`to_panels`), on the dot product
+    with x rounded to bfloat16 (a draft's `dot` path: it only proposes); float32 out. Call only where `screen_dot()`."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    m, k = rows.shape
+    if bias is not None and bias.dtype != torch.float32:
+        bias = bias.float()
+    out = torch.empty(m, n, dtype=torch.float32)
+    pairs = torch.empty(m, (k + 1) // 2, dtype=torch.int32)
+    b = bias.data_ptr() if bias is not None else None
+    _library().linear_dot(rows.data_ptr(), k, panels.data_ptr(), b, out.data_ptr(), n, m, n, k, pairs.data_ptr())
+    out = out.view(*x.shape[:-1], n)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def screen_dot() -> bool:
@@ -1367,7 +1427,9 @@ class LayerWeights:
     layer_idx: int  # its place in the model's cache
     keep: tuple  # the tensors the addresses point into
     bf16: bool = False  # the linears' weights are bfloat16 (widened on load; the sums stay float32)
-    panels: bool = False  # the linears are read from their panels (`serve_panels`), not their rows
+    # how the linears are read: 0 their rows, 1 their panels (`serve_panels`), 2 their bfloat16 panels on the dot
+    # product, the inputs rounded to bfloat16 (a draft's linears marked `dot` by fastpath.install: `linear_dot`)
+    panels: int = 0
 
 
 def layer_weights(ln1, ln2, eps, linears, heads, kv_heads, head_dim, scale, layer_idx) -> LayerWeights:
@@ -1386,8 +1448,9 @@ def layer_weights(ln1, ln2, eps, linears, heads, kv_heads, head_dim, scale, laye
     biases = arr(*(None if b is None else b.data_ptr() for b in biases))
     inter = linears[4].out_features
     bf16 = dtypes == {torch.bfloat16}
+    mode = (2 if bf16 and all(m.__dict__.get("_dot") for m in linears) else 1) if read is panels else 0
     return LayerWeights(
-        ln1, ln2, eps, weights, biases, inter, heads, kv_heads, head_dim, scale, layer_idx, keep, bf16, read is panels
+        ln1, ln2, eps, weights, biases, inter, heads, kv_heads, head_dim, scale, layer_idx, keep, bf16, mode
     )
 
 
@@ -1492,6 +1555,7 @@ def stack_scratch(layers: list[LayerWeights], rows: int, hidden: int, length: in
     return (
         max(
             rows * (2 * hidden + 2 * lw.heads * lw.head_dim + 2 * lw.kv_heads * lw.head_dim + 2 * lw.intermediate)
+            + rows * ((max(hidden, lw.heads * lw.head_dim, lw.intermediate) + 1) // 2)  # the dot product's inputs
             for lw in layers
         )
         + RB_MAX * length
