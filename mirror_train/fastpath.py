@@ -15,9 +15,11 @@ embeddings) untouched:
   (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`), from the row count measured to win per
   layer shape (it loses at 1–2 rows): where the kernels cannot be built.
 - `fastest`: for a draft, whose rounding nothing depends on (it only proposes tokens): each layer shape takes, by
-  the rows of a call, whichever of torch's path, oneDNN and the row-exact kernel measured fastest at install. A
-  draft's tree forwards run 1 to ~50 rows, and no one path wins across them (measured: docs/engine.md, twelfth
-  session: the kernel at 1–4 rows, oneDNN from ~8 in bf16 on an AMD EPYC).
+  the rows of a call, whichever of torch's path, oneDNN, the row-exact kernel and, for bfloat16 weights where the
+  CPU has AVX512-BF16, its dot product on inputs rounded to bfloat16 (`kernels.linear_dot`; the fused layers read
+  every linear so where it won for most of the weights) measured fastest at install. A draft's tree forwards run 1
+  to ~50 rows, and no one path wins across them (measured: docs/engine.md, twelfth session: the kernel at 1–4 rows,
+  oneDNN from ~8 in bf16 on an AMD EPYC; thirty-third: the dot product at nearly every row count on a Zen 4).
 Past MAX_ROWS rows (a prompt's prefill) `exact` and `fastest` take whichever of torch's GEMM and oneDNN's (on the
 weight as it is, no second copy) measured faster for that layer shape on this machine (`prefill_path`): on an AMD
 EPYC Zen 5 torch's MKL GEMM ran at ~100 GFLOP/s and oneDNN's 2.3× that, halving the testbed's prefill (sixteenth

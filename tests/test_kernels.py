@@ -280,19 +280,30 @@ def test_grouped_attention_is_sdpa_over_repeated_key_heads(rows, masked):
     torch.testing.assert_close(half.float(), reference, atol=5e-2, rtol=5e-2)
 
 
-def test_a_fastest_served_bf16_draft_proposes_what_the_plain_draft_does():
+@pytest.mark.parametrize("dot", [False, True])
+def test_a_fastest_served_bf16_draft_proposes_what_the_plain_draft_does(dot, monkeypatch):
     """The draft's served path (routed linears, grouped attention in its plain and multi-stream layers) is the
-    plain bf16 draft's function: the same greedy tokens and close logits, main and streams, over a tree."""
+    plain bf16 draft's function: close logits, main and streams, over a tree; as measured here, and with every
+    linear and fused layer on the dot product (`dot`: bfloat16 inputs, where the CPU has AVX512-BF16)."""
     from mirror_train.attention import DRAFT_NAME
     from mirror_train.models.drafter import MirrorDrafterForCausalLM
     from mirror_train.random_models import tiny_model
 
+    if dot:
+        if not (kernels.available() and kernels.screen_dot()):
+            pytest.skip("no AVX512-BF16 here")
+        monkeypatch.setattr(fastpath, "_routes", lambda m, paths, *a, **k: ("dot",) * len(fastpath.ROUTE_ROWS))
     target = tiny_model("llama", layers=4)
     draft = MirrorDrafterForCausalLM.from_target(target, 3, num_streams=2, num_stream_layers=1).eval()
     draft.config._attn_implementation = "sdpa"
     draft = draft.to(torch.bfloat16)
     served = copy.deepcopy(draft)
     assert fastpath.install(served, "fastest") == "fastest" and served.config._attn_implementation == DRAFT_NAME
+    if dot:
+        layers = fused_layer.decoder_layers(served)
+        assert layers and all(m.__dict__.get("_dot") for m in served.modules() if isinstance(m, nn.Linear))
+        for layer in layers:
+            layer.max_rows = kernels.MAX_ROWS  # every tree below through the C layers, read on the dot product
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(0))
     outs = []
     with torch.inference_mode():
@@ -302,6 +313,24 @@ def test_a_fastest_served_bf16_draft_proposes_what_the_plain_draft_does():
             outs.append(model.tree_forward([5, 6, 7, 8], [-1, 0, 0, 1], cache))
     torch.testing.assert_close(outs[1].logits.float(), outs[0].logits.float(), atol=0.1, rtol=0.05)
     torch.testing.assert_close(outs[1].stream_logits.float(), outs[0].stream_logits.float(), atol=0.1, rtol=0.05)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k,bias", [(576, 576, False), (49, 1536, True), (7, 13, True), (300, 95, False)])
+def test_the_dot_product_linear_is_the_bfloat16_rounded_inputs_product(n, k, bias):
+    """`linear_dot` (a draft's `dot` path) computes x rounded to bfloat16 times the bf16 weight, float32 sums: within
+    float32 rounding of float64's product of those rounded inputs, at every row count (streams to 4 rows, tiles past),
+    a partial last panel, an odd K, a bias."""
+    if not kernels.screen_dot():
+        pytest.skip("no AVX512-BF16 here")
+    g = torch.Generator().manual_seed(n + k)
+    w, x = torch.randn(n, k, generator=g).to(torch.bfloat16), torch.randn(40, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    panels = kernels.to_panels(w)
+    exact = nn.functional.linear(x.to(torch.bfloat16).double(), w.double(), None if b is None else b.double())
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17, 40):
+        out = kernels.linear_dot(x[:rows], n, panels, b)
+        torch.testing.assert_close(out.double(), exact[:rows], atol=1e-4 * k**0.5, rtol=1e-5)
 
 
 def test_the_fast_path_is_chosen_by_device_and_dtype():
