@@ -136,18 +136,18 @@ def argmax(head: nn.Module, x: torch.Tensor) -> list[int]:
     return argmax_and_scores(head, x)[0]
 
 
-def argmax_and_scores(head: nn.Module, x: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-    """`argmax`, and the logits it read, (rows, V): the head's own where it ran whole, else the screen's (each
-    within the bound of the head's; for statistics, never for a token)."""
+def argmax_and_scores(head: nn.Module, x: torch.Tensor) -> tuple[list[int], torch.Tensor, bool]:
+    """`argmax`, the logits it read, (rows, V), and whether they are the screen's (each within the bound of the
+    head's: for statistics, never for a token) rather than the head's own (it ran whole)."""
     rows = x.reshape(-1, x.shape[-1])
     screen = screen_of(head)
     if screen is not None and screen.used(rows.shape[0]) and rows.dtype == torch.float32 and rows.shape[0] <= 64:
         scores = screen_scores(screen, rows)
         ids = screened_argmax(head, screen, rows, scores)
         if ids is not None:
-            return ids, scores[:, : head.weight.shape[0]]
+            return ids, scores[:, : head.weight.shape[0]], True
     logits = head(rows)
-    return logits.argmax(-1).tolist(), logits
+    return logits.argmax(-1).tolist(), logits, False
 
 
 def logits_at(head: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -370,12 +370,12 @@ class Target:
         return self.greedy_scores(normed_hidden)[0]
 
     @torch.inference_mode()
-    def greedy_scores(self, normed_hidden: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """`greedy`, and the logits it read (rows, V): exact where the whole head ran, else the screen's, each within
-        its bound of the served logit (for statistics; `logits_at` gives chosen ids' exactly)."""
+    def greedy_scores(self, normed_hidden: torch.Tensor) -> tuple[list[int], torch.Tensor, bool]:
+        """`greedy`, the logits it read (rows, V), and whether they are the screen's, each within its bound of the
+        served logit (for statistics; `logits_at` gives chosen ids' exactly), rather than the head's own."""
         if self._softcap:  # its tanh can tie logits the screen tells apart
             logits = self.logits(normed_hidden).reshape(-1, self.vocab_size)
-            return logits.argmax(-1).tolist(), logits
+            return logits.argmax(-1).tolist(), logits, False
         return screened_head.argmax_and_scores(self.lm_head, normed_hidden)
 
     @torch.inference_mode()

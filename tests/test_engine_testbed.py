@@ -116,6 +116,11 @@ def test_mirror_in_a_worker_process_reproduces_the_target_on_30_prompts(testbed_
     steps = [s for g in generations for s in g.steps[1:]]  # after the prefill's step, which commits the first token
     assert any(s.reused for s in steps)  # some windows came from branches rolled out during the suffix
     assert all(s.window == 3 for s in steps)  # the draft answered every step
+    # the online hit_κ and Ω_κ where the window stopped: Ω from the LM head's screen (screened_head.py) with the
+    # candidates' own logits exact, a probability mass that covers the target's token's where hit_κ holds
+    scored = [s for s in steps if s.hit is not None]
+    assert scored and all(0.0 <= s.omega <= 1.0 + 1e-6 for s in scored)
+    assert all(s.omega > 0.0 for s in scored if s.hit)
 
 
 # The proxy head beside the draft, scoring the 8192 lowest ids (a drafted id outside them has no proxy log-prob).

@@ -388,7 +388,7 @@ class MirrorEngine:
         # (1, γ+1, V) or None at temperature 0 (the tokens from the final states: `Target.greedy`), (1, γ+1, H)
         logits, final = target.suffix_states(state, logits=cfg.temperature > 0)
         if logits is None:
-            y, scores = target.greedy_scores(final[0])
+            y, scores, screened = target.greedy_scores(final[0])
         else:
             y = target_tokens(logits[0, :main], cfg.temperature, cfg.seed, len(seq.new))
             if forked is not None:  # the second chain's rows sample at their own output positions
@@ -434,9 +434,11 @@ class MirrorEngine:
             top = torch.tensor(info["candidates"])
             if logits is not None:
                 row = logits[0, accepted].float()
-            else:  # the screen's logits (screened_head.py), the candidates' own made exact
-                row = scores[accepted].clone()
-                row[top] = target.logits_at(final[0, accepted], top)[0]
+            else:  # the logits greedy read; the screen's (screened_head.py) with the candidates' own made exact
+                row = scores[accepted].float()
+                if screened:
+                    row = row.clone()
+                    row[top] = target.logits_at(final[0, accepted], top)[0]
             stats.hit = correction in info["candidates"]
             stats.omega = float(torch.softmax(row, dim=-1)[top].sum())
         if info:
