@@ -156,9 +156,7 @@ def install(model: nn.Module, kind: str = "auto") -> str:
         dot = "exact" in paths and all(m.weight.dtype == torch.bfloat16 for m in linears) and kernels.screen_dot()
         paths += ["dot"] if dot else []
         routes: dict[tuple, tuple[str, ...]] = {}
-        if (
-            panels or dot
-        ) and "exact" in paths:  # every contiguous weight's (the kernel reads them in place), one arena
+        if dot or (panels and "exact" in paths):  # every contiguous weight's (read in place), one arena
             kernels.serve_panels(*[m for m in linears if m.weight.is_contiguous()])
         for module in linears:
             module.__class__ = RoutedLinear

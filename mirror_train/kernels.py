@@ -579,15 +579,10 @@ static void dot_panels(const uint32_t *pairs, int64_t M, int64_t K2, const uint1
         }
     }
 }
-/* The screen: y (M x panels * LANES) = x (M x K float32 rows, rounded to bfloat16 into `pairs`) . panels */
-void screen_bf16(const float *x, int64_t M, int64_t K, const uint16_t *p, int64_t panels, float *y, int64_t ldy,
-                 uint32_t *pairs) {
-    dot_pairs(x, K, M, K, pairs);
-    dot_panels(pairs, M, (K + 1) / 2, p, panels, y, ldy);
-}
-/* A draft's linear on the dot product (fastpath's `dot` path, a fused draft layer's wpanels = 2): y = x . W^T (+ b)
-   for an N x K bfloat16 weight as panels, x's rows rounded to bfloat16 first (a draft only proposes: any rounding
-   will do). Whole panels straight into y, the last, partial one through a small buffer. */
+/* y = x . W^T (+ b) on the dot product for an N x K bfloat16 weight as panels, x's rows rounded to bfloat16 first:
+   the LM head's screen (over the panels' padded N, no bias), and a draft's linear (fastpath's `dot` path, a fused
+   draft layer's wpanels = 2: a draft only proposes, any rounding will do). Whole panels straight into y, a last,
+   partial one through a small buffer. */
 void linear_dot(const float *x, int64_t ldx, const uint16_t *p, const float *b, float *y, int64_t ldy, int64_t M,
                 int64_t N, int64_t K, uint32_t *pairs) {
     const int64_t K2 = (K + 1) / 2, full = N / LANES, rest = N - full * LANES;
@@ -608,10 +603,6 @@ void linear_dot(const float *x, int64_t ldx, const uint16_t *p, const float *b, 
 }
 #else
 int screen_dot(void) { return 0; }
-void screen_bf16(const float *x, int64_t M, int64_t K, const uint16_t *p, int64_t panels, float *y, int64_t ldy,
-                 uint32_t *pairs) {
-    (void)x, (void)M, (void)K, (void)p, (void)panels, (void)y, (void)ldy, (void)pairs;
-}
 /* without the instruction: the same panels widened (Python never asks for it here; a layer's mode 2 still works) */
 void linear_dot(const float *x, int64_t ldx, const uint16_t *p, const float *b, float *y, int64_t ldy, int64_t M,
                 int64_t N, int64_t K, uint32_t *pairs) {
@@ -1109,9 +1100,7 @@ def _library() -> ctypes.CDLL | None:
             fn.restype = None
         lib.kernel_lanes.restype = ctypes.c_int
         lib.screen_dot.restype = ctypes.c_int
-        # x, M, K, panels, how many, y, ldy, scratch; scores, M, n, lda, x, K, dot, constants, out
-        lib.screen_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr]
-        lib.screen_bf16.restype = None
+        # scores, M, n, lda, x, K, dot, constants, out
         lib.screen_select.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ptr, ptr]
         lib.screen_select.restype = i64
         # x, ldx, panels, bias, y, ldy, M, N, K, scratch
@@ -1179,12 +1168,8 @@ def linear_at(x: torch.Tensor, weight: torch.Tensor, outputs: torch.Tensor, pane
     width = panels.shape[-1]
     held = torch.unique(outputs // width)  # sorted
     sub = panels.index_select(0, held)
-    out = torch.empty(rows.shape[0], sub.shape[0] * width, dtype=torch.float32)
-    rows = rows.to(torch.float32).contiguous()
-    k = rows.shape[1]
-    _library().linear_panels_F32(
-        rows.data_ptr(), k, sub.data_ptr(), None, out.data_ptr(), out.shape[1], rows.shape[0], out.shape[1], k
-    )
+    shape = torch.empty(sub.shape[0] * width, rows.shape[1], device="meta")  # the held panels' weight: only its shape
+    out = linear(rows, shape, None, sub)
     where = torch.searchsorted(held, outputs // width) * width + outputs % width
     return out.index_select(1, where)
 
@@ -1205,22 +1190,9 @@ def linear_dot(x: torch.Tensor, n: int, panels: torch.Tensor, bias: torch.Tensor
 
 
 def screen_dot() -> bool:
-    """Whether the screen's bfloat16 dot product (AVX512-BF16) is built here (`screen`)."""
+    """Whether the bfloat16 dot product (AVX512-BF16) is built here (`linear_dot`: the LM head's screen, a draft's
+    `dot` path)."""
     return bool(_library().screen_dot())
-
-
-def screen(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """Approximate x·Wᵀ for float32 rows x (M, K), rounded to bfloat16, from W's bfloat16 panels (`to_panels`) with
-    the dot-product instruction (only where `screen_dot()`): (M, panels·LANES) float32, the padding rows' outputs 0."""
-    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-    m, k = rows.shape
-    out = torch.empty(m, panels.shape[0] * panels.shape[2], dtype=torch.float32)
-    pairs = torch.empty(m, (k + 1) // 2, dtype=torch.int32)
-    lib = _library()
-    lib.screen_bf16(
-        rows.data_ptr(), m, k, panels.data_ptr(), panels.shape[0], out.data_ptr(), out.shape[1], pairs.data_ptr()
-    )
-    return out
 
 
 def select(scores: torch.Tensor, x: torch.Tensor, n: int, dot: bool, constants: torch.Tensor) -> torch.Tensor | None:

@@ -141,7 +141,7 @@ def argmax_and_scores(head: nn.Module, x: torch.Tensor) -> tuple[list[int], torc
     head's: for statistics, never for a token) rather than the head's own (it ran whole)."""
     rows = x.reshape(-1, x.shape[-1])
     screen = screen_of(head)
-    if screen is not None and screen.used(rows.shape[0]) and rows.dtype == torch.float32 and rows.shape[0] <= 64:
+    if screen is not None and screen.used(rows.shape[0]) and rows.dtype == torch.float32:  # used: ≤ 64 rows
         scores = screen_scores(screen, rows)
         ids = screened_argmax(head, screen, rows, scores)
         if ids is not None:
@@ -160,8 +160,8 @@ def logits_at(head: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> torch.Tens
 
 def screen_scores(screen: ScreenedHead, rows: torch.Tensor) -> torch.Tensor:
     """Every screened logit of float32 `rows` (M, K): (M, ≥ V), past V the panels' zero padding."""
-    if screen.dot:
-        return kernels.screen(rows, screen.low_panels)
+    if screen.dot:  # every panel's outputs, the padding's zeros past V included
+        return kernels.linear_dot(rows, screen.low_panels.shape[0] * screen.low_panels.shape[2], screen.low_panels)
     return kernels.linear(rows.contiguous(), screen.low, None, screen.low_panels)
 
 
