@@ -1,0 +1,260 @@
+/* exp(x) for x <= 0 (a softmax's shifted scores): Cephes' expf polynomial after x = n ln2 + r, times 2^n. */
+#if LANES == 16
+#define VSET(c) _mm512_set1_ps(c)
+#define VMAX(a, b) _mm512_max_ps(a, b)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VFNMADD(a, b, c) _mm512_fnmadd_ps(a, b, c)
+#define VROUND(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VPOW2(p, n) _mm512_scalef_ps(p, n)
+#define VDIV(a, b) _mm512_div_ps(a, b)
+#elif LANES == 8
+#define VSET(c) _mm256_set1_ps(c)
+#define VMAX(a, b) _mm256_max_ps(a, b)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VFNMADD(a, b, c) _mm256_fnmadd_ps(a, b, c)
+#define VROUND(a) _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VDIV(a, b) _mm256_div_ps(a, b)
+#define VPOW2(p, n) /* the exponent field of 2^n built directly */ \
+    _mm256_mul_ps(p, _mm256_castsi256_ps(                           \
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)))
+#endif
+#if LANES > 1
+static inline vec vexp(vec x) {
+    x = VMAX(x, VSET(-87.0f));
+    vec n = VROUND(VMUL(x, VSET(1.44269504f)));
+    vec r = VFNMADD(n, VSET(0.693359375f), x);
+    r = VFNMADD(n, VSET(-2.12194440e-4f), r);
+    vec p = VSET(1.9875691500e-4f);
+    p = VFMA(p, r, VSET(1.3981999507e-3f));
+    p = VFMA(p, r, VSET(8.3334519073e-3f));
+    p = VFMA(p, r, VSET(4.1665795894e-2f));
+    p = VFMA(p, r, VSET(1.6666665459e-1f));
+    p = VFMA(p, r, VSET(5.0000001201e-1f));
+    p = VFMA(p, VMUL(r, r), VADD(r, VSET(1.0f)));
+    return VPOW2(p, n);
+}
+#else
+static inline vec vexp(vec x) { return expf(x); }
+#endif
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    vec acc = VZERO();
+    int64_t d = 0;
+    for (; d + LANES <= D; d += LANES) acc = VFMA(VLOAD(a + d), VLOAD(b + d), acc);
+    float s = vsum(acc);
+    for (; d < D; d++) s = fmaf(a[d], b[d], s);
+    return s;
+}
+
+/* Causal attention of M query rows at the end of a cache of L positions (row i sees keys 0..L-M+i), grouped-query
+   heads: q (H heads x M rows x D, strides q_sh, q_sm), k / v (KVH heads x L x D, strides kv_sh, kv_sl),
+   out (M x H x D, contiguous), scratch: RB_MAX x L floats. Every (head, row) is a function of its query and the
+   keys it sees alone: the same arithmetic in the same order whatever M.
+   A forked window (two chains verified at once, kernels.attention's `rows`): row i sees keys 0..n1[i]-1 and then
+   s2[i]..s2[i]+n2[i]-1, in that order; its scores fill the scratch from index 0 exactly as the contiguous keys of
+   the same path would in one-token decoding, so the row is bit for bit that decoding step. n1 NULL: causal.
+
+   Per (head, row): s_l = vsum(sum over the D/LANES chunks of q*k_l, in order) * scale; the max; e_l = exp(s_l - max)
+   and their total, in order; o = sum_l e_l v_l accumulated in l order (one FMA per element and key); o / total.
+   Up to RB_MAX rows of a head go together over the keys they all see (`att_rows`): each key and value row is loaded
+   once for all of them, and their sums stay in registers, instead of re-reading K and V from the cache once a row
+   and storing the partial output every key (measured 4-7x slower a row at 800-1600 keys, docs/engine.md). Every
+   row still does exactly its own arithmetic in its own order, so grouping changes no bit. */
+#define RB_MAX 4
+#define NV_MAX 16
+
+/* One row's keys from `from` to `seen` (and its first run's before it when from = 0), its exponentials, its output:
+   the general path (a head size that is not a multiple of the vector width, the rows' own keys past a group's). */
+static void att_scores_tail(const float *qi, const float *kh, int64_t kv_sl, float *s, int64_t from, int64_t seen,
+                            int64_t first, int64_t jump, int64_t D, float scale, float *mx) {
+    for (int64_t l = from; l < seen; l++) {
+        s[l] = dot(qi, kh + (l < first ? l : l + jump) * kv_sl, D) * scale;
+        *mx = s[l] > *mx ? s[l] : *mx;
+    }
+}
+
+static float att_exp(float *s, int64_t seen, float mx) {
+    vec vmx = VSET(mx), vtot = VZERO();
+    int64_t l = 0;
+    for (; l + LANES <= seen; l += LANES) {
+        vec e = vexp(VSUB(VLOAD(s + l), vmx));
+        VSTORE(s + l, e);
+        vtot = VADD(vtot, e);
+    }
+    float total = vsum(vtot);
+    for (; l < seen; l++) {
+        s[l] = expf(s[l] - mx);
+        total += s[l];
+    }
+    return total;
+}
+
+static void att_values_tail(const float *vh, int64_t kv_sl, const float *s, float *o, int64_t from, int64_t seen,
+                            int64_t first, int64_t jump, int64_t D) {
+    for (int64_t l2 = from; l2 < seen; l2++) {
+        vec p = VSET(s[l2]);
+        const float *vl = vh + (l2 < first ? l2 : l2 + jump) * kv_sl;
+        int64_t d = 0;
+        for (; d + LANES <= D; d += LANES) VSTORE(o + d, VFMA(p, VLOAD(vl + d), VLOAD(o + d)));
+        for (; d < D; d++) o[d] = fmaf(s[l2], vl[d], o[d]);
+    }
+}
+
+#if LANES == 16
+/* vsum of 16 vectors at once, each the same additions as vsum's in the same order (halves, quarters, then the
+   pairs of a quarter, then its two), transposed so that 16 sums take 15 additions: lane j of the result is a[j]'s */
+static inline vec vsum16(const vec *a) {
+    vec h[8], q[4], p[2];
+    for (int t = 0; t < 8; t++)  /* v[j] + v[j+8] */
+        h[t] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * t], a[2 * t + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a[2 * t], a[2 * t + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int u = 0; u < 4; u++)  /* h[j] + h[j+4]: 128-bit lane k holds key 4u+k */
+        q[u] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * u], h[2 * u + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(h[2 * u], h[2 * u + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int w = 0; w < 2; w++)  /* q0 + q2, q1 + q3 */
+        p[w] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * w], q[2 * w + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(q[2 * w], q[2 * w + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* q'0 + q'1: element 4k+m is key 4m+k, put back in key order */
+    vec r = _mm512_add_ps(_mm512_shuffle_ps(p[0], p[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_ps(p[0], p[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+#endif
+
+#if LANES > 1
+/* rb rows of one head over their shared keys 0..J-1 (nv = D / LANES vectors a row): their scores and maxima, then,
+   after the caller's exponentials, their outputs. Inlined with constant nv and rb so the sums live in registers. */
+static inline __attribute__((always_inline)) void att_rows_scores(int nv, int rb, const float *const *q,
+                                                                  const float *kh, int64_t kv_sl, float *const *s,
+                                                                  int64_t J, float scale, float *mx) {
+    vec qv[RB_MAX][NV_MAX];
+    for (int r = 0; r < rb; r++)
+        for (int c = 0; c < nv; c++) qv[r][c] = VLOAD(q[r] + c * LANES);
+    int64_t l = 0;
+#if LANES == 16
+    /* 16 keys at a time: their 16 sums reduced together (`vsum16`, vsum's additions in vsum's order) */
+    vec vmx[RB_MAX];
+    for (int r = 0; r < rb; r++) vmx[r] = VSET(-INFINITY);
+    for (; l + 16 <= J; l += 16)
+        for (int r = 0; r < rb; r++) {
+            vec a[16];
+            for (int j = 0; j < 16; j++) {
+                const float *kl = kh + (l + j) * kv_sl;
+                a[j] = VZERO();
+                for (int c = 0; c < nv; c++) a[j] = VFMA(qv[r][c], VLOAD(kl + c * LANES), a[j]);
+            }
+            vec x = VMUL(vsum16(a), VSET(scale));
+            VSTORE(s[r] + l, x);
+            vmx[r] = VMAX(vmx[r], x);
+        }
+    for (int r = 0; r < rb; r++) {
+        float m = _mm512_reduce_max_ps(vmx[r]);
+        mx[r] = m > mx[r] ? m : mx[r];
+    }
+#endif
+    for (; l < J; l++) {
+        const float *kl = kh + l * kv_sl;
+        vec kv[NV_MAX];
+        for (int c = 0; c < nv; c++) kv[c] = VLOAD(kl + c * LANES);
+        for (int r = 0; r < rb; r++) {
+            vec acc = VZERO();
+            for (int c = 0; c < nv; c++) acc = VFMA(qv[r][c], kv[c], acc);
+            float x = vsum(acc) * scale;
+            s[r][l] = x;
+            mx[r] = x > mx[r] ? x : mx[r];
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void att_rows_values(int nv, int rb, const float *vh, int64_t kv_sl,
+                                                                  const float *const *s, float *const *o, int64_t J) {
+    vec acc[RB_MAX][NV_MAX];
+    for (int r = 0; r < rb; r++)
+        for (int c = 0; c < nv; c++) acc[r][c] = VZERO();
+    for (int64_t l = 0; l < J; l++) {
+        const float *vl = vh + l * kv_sl;
+        for (int c = 0; c < nv; c++) {
+            vec v = VLOAD(vl + c * LANES);
+            for (int r = 0; r < rb; r++) acc[r][c] = VFMA(VSET(s[r][l]), v, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < rb; r++)
+        for (int c = 0; c < nv; c++) VSTORE(o[r] + c * LANES, acc[r][c]);
+}
+
+/* The instances: nv in {2, 4, 8, 16} (head sizes 2..16 vectors), as many rows as the registers hold. */
+#define ATT_INSTANCE(NV, RB)                                                                                       \
+static void att_scores_##NV##_##RB(const float *const *q, const float *kh, int64_t kv_sl, float *const *s,          \
+                                   int64_t J, float scale, float *mx) {                                            \
+    att_rows_scores(NV, RB, q, kh, kv_sl, s, J, scale, mx);                                                        \
+}                                                                                                                  \
+static void att_values_##NV##_##RB(const float *vh, int64_t kv_sl, const float *const *s, float *const *o,          \
+                                   int64_t J) {                                                                    \
+    att_rows_values(NV, RB, vh, kv_sl, s, o, J);                                                                   \
+}
+#define ATT_NV(NV) ATT_INSTANCE(NV, 1) ATT_INSTANCE(NV, 2) ATT_INSTANCE(NV, 3) ATT_INSTANCE(NV, 4)
+ATT_NV(2) ATT_NV(4) ATT_NV(8) ATT_NV(16)
+typedef void (*att_scores_fn)(const float *const *, const float *, int64_t, float *const *, int64_t, float, float *);
+typedef void (*att_values_fn)(const float *, int64_t, const float *const *, float *const *, int64_t);
+#define ATT_ROW(NV) {0, att_scores_##NV##_1, att_scores_##NV##_2, att_scores_##NV##_3, att_scores_##NV##_4}
+#define ATT_VROW(NV) {0, att_values_##NV##_1, att_values_##NV##_2, att_values_##NV##_3, att_values_##NV##_4}
+static const att_scores_fn ATT_SCORES[4][RB_MAX + 1] = {ATT_ROW(2), ATT_ROW(4), ATT_ROW(8), ATT_ROW(16)};
+static const att_values_fn ATT_VALUES[4][RB_MAX + 1] = {ATT_VROW(2), ATT_VROW(4), ATT_VROW(8), ATT_VROW(16)};
+#endif
+
+void attention_f32(const float *q, int64_t q_sh, int64_t q_sm, const float *k, const float *v, int64_t kv_sh,
+                   int64_t kv_sl, float *out, float *scratch, int64_t M, int64_t H, int64_t KVH, int64_t L, int64_t D,
+                   float scale, const int64_t *n1, const int64_t *s2, const int64_t *n2) {
+    int64_t group = H / KVH;
+    int which = -1, rb_max = 1;  /* the grouped instance for this head size, and its rows a group */
+#if LANES > 1
+    if (D % LANES == 0) {
+        int64_t nv = D / LANES;
+        which = nv == 2 ? 0 : nv == 4 ? 1 : nv == 8 ? 2 : nv == 16 ? 3 : -1;
+        /* the registers: rb rows' queries (or sums) of nv vectors each, and a key's nv vectors */
+        rb_max = nv <= (LANES == 16 ? 4 : 2) ? RB_MAX : nv <= (LANES == 16 ? 8 : 4) ? 2 : 1;
+    }
+#endif
+    /* The (head, row) pairs that read one KV head go in groups of rb_max, rows within a head first: a one-row step
+       reads each KV head once for the `group` query heads that share it, not once a query head. */
+    int64_t pairs = group * M;
+    for (int64_t g = 0; g < KVH; g++) {
+        const float *kh = k + g * kv_sh, *vh = v + g * kv_sh;
+        for (int64_t p0 = 0; p0 < pairs; p0 += rb_max) {
+            int rb = pairs - p0 < rb_max ? (int)(pairs - p0) : rb_max;
+            const float *qs[RB_MAX];
+            float *ss[RB_MAX], *os[RB_MAX], mx[RB_MAX], total[RB_MAX];
+            int64_t first[RB_MAX], seen[RB_MAX], jump[RB_MAX], shared = L;
+            for (int r = 0; r < rb; r++) {
+                int64_t h = g * group + (p0 + r) / M, i = (p0 + r) % M;
+                qs[r] = q + h * q_sh + i * q_sm;
+                ss[r] = scratch + r * L;
+                os[r] = out + (i * H + h) * D;
+                first[r] = n1 ? n1[i] : L - M + i + 1;  /* keys 0..first-1, then the second run */
+                seen[r] = n1 ? first[r] + n2[i] : first[r];
+                jump[r] = n1 ? s2[i] - first[r] : 0;    /* key index = l for l < first, l + jump after */
+                mx[r] = -INFINITY;
+                shared = first[r] < shared ? first[r] : shared;  /* keys every row of the group sees, in order */
+            }
+            if (which < 0) shared = 0;
+#if LANES > 1
+            if (shared > 0) ATT_SCORES[which][rb](qs, kh, kv_sl, ss, shared, scale, mx);
+#endif
+            for (int r = 0; r < rb; r++) {
+                att_scores_tail(qs[r], kh, kv_sl, ss[r], shared, seen[r], first[r], jump[r], D, scale, &mx[r]);
+                total[r] = att_exp(ss[r], seen[r], mx[r]);
+            }
+#if LANES > 1
+            if (shared > 0) ATT_VALUES[which][rb](vh, kv_sl, (const float *const *)ss, os, shared);
+#endif
+            for (int r = 0; r < rb; r++) {
+                float *o = os[r];
+                if (shared == 0)
+                    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+                att_values_tail(vh, kv_sl, ss[r], o, shared, seen[r], first[r], jump[r], D);
+                float inv = 1.0f / total[r];
+                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+            }
+        }
+    }
+}

@@ -1,0 +1,110 @@
+/* NB weight rows x MB input rows: every output accumulates over the same k-chunks in the same order, so its value
+   does not depend on NB, MB or how many rows the call has. pf: prefetch the next block's weight rows into L2.
+   KEEP: hold each input chunk in a register (KEEP_X). */
+#define BLOCK(T, WT, NAME, NB, MB, KEEP)                                                                           \
+static void T##_##NAME##_##MB(const float *x, int64_t ldx, const WT *w, int64_t K, const float *b, float *y,        \
+                              int64_t ldy, int pf) {                                                               \
+    vec acc[NB][MB];                                                                                               \
+    for (int i = 0; i < NB; i++)                                                                                   \
+        for (int j = 0; j < MB; j++) acc[i][j] = VZERO();                                                          \
+    int64_t k = 0;                                                                                                 \
+    for (; k + LANES <= K; k += LANES) {                                                                           \
+        vec wv[NB];                                                                                                \
+        for (int i = 0; i < NB; i++) {                                                                             \
+            wv[i] = T##_LOAD(w + i * K + k);                                                                       \
+            if (pf) __builtin_prefetch(w + (i + NB) * K + k, 0, 2);                                                \
+        }                                                                                                          \
+        for (int j = 0; j < MB; j++) {                                                                             \
+            vec xv = VLOAD(x + j * ldx + k);                                                                       \
+            if (KEEP) KEEP_X(xv);                                                                                  \
+            for (int i = 0; i < NB; i++) acc[i][j] = VFMA(wv[i], xv, acc[i][j]);                                   \
+        }                                                                                                          \
+    }                                                                                                              \
+    for (int i = 0; i < NB; i++)                                                                                   \
+        for (int j = 0; j < MB; j++) {                                                                             \
+            float s = vsum(acc[i][j]);                                                                             \
+            for (int64_t t = k; t < K; t++) s = fmaf(x[j * ldx + t], T##_SCALAR(w + i * K + t), s);                \
+            if (b) s += b[i];                                                                                      \
+            y[j * ldy + i] = s;                                                                                    \
+        }                                                                                                          \
+}
+
+/* y (M x N, row stride ldy) = x (M x K, row stride ldx) . w^T, w (N x K) contiguous; b (N, float32) or NULL.
+   Blocks by the rows of the call: 1-2 rows one weight row a block (it streams fastest); from WIDE_FROM rows
+   WIDE_NB weight rows x up to WIDE_MB input rows, the weights streamed from memory once for them; from TALL_FROM
+   rows TALL_NB weight rows x up to TALL_MB input rows (each weight chunk loaded once for TALL_MB rows) where the
+   input rows stay in L1 (K <= TALL_K; at K = 1536 they do not, and 3 x 8 ran 20% slower than 4 x 4 passes).
+   The shapes are by vector width (-D overrides them, to measure others):
+   - AVX-512 (32 registers): 4 x 4 and 3 x 8 (24 sums in registers: 8 rows 15-30% faster than two 4 x 4 passes,
+     Zen 5, docs/engine.md sixteenth session);
+   - AVX2 (16 registers): 4 x 4 and 2 x 6. A 3 x 8 block's 24 sums spill to the stack on every chunk there; of the
+     tall shapes whose 12-16 sums fit, 2 x 6 ran fastest, and the wide 4 x 4 still beat 4 x 2, 4 x 3 and 3 x 4 at
+     3-4 rows (Zen 3, docs/engine.md twenty-sixth session).
+   Any shape gives the same bits (above). */
+#ifndef WIDE_NB
+#define WIDE_NB 4
+#define WIDE_MB 4
+#if LANES == 16
+#define TALL_NB 3
+#define TALL_MB 8
+#else
+#define TALL_NB 2
+#define TALL_MB 6
+#endif
+#endif
+#ifndef WIDE_FROM
+#define WIDE_FROM 3
+#endif
+#ifndef TALL_FROM
+#define TALL_FROM 5
+#endif
+#ifndef TALL_KEEP
+#define TALL_KEEP 1
+#endif
+#ifndef TALL_K
+#define TALL_K 768
+#endif
+/* bfloat16 weights take the 4-weight-row blocks from one row on: a lone weight row's chain of FMAs (K / LANES long,
+   each waiting for the one before) streams half the bytes of a float32 row per cycle, below the memory's rate, and
+   four chains kept up (Zen 4, three alternating rounds: 1-2 rows 5-30% faster on the draft's 1536x576 and
+   8192x576 shapes, 576x1536 at one row ~6% slower; docs/engine.md, twentieth session). No bit changes: each
+   output sums the same k-chunks in the same order in any block. */
+#define F32_WIDE_FROM_1 0
+#define BF16_WIDE_FROM_1 1
+#define LINEAR(T, WT)                                                                                              \
+BLOCK(T, WT, wide, WIDE_NB, 1, 0) BLOCK(T, WT, wide, WIDE_NB, 2, 0)                                                \
+BLOCK(T, WT, wide, WIDE_NB, 3, 0) BLOCK(T, WT, wide, WIDE_NB, 4, 0)                                                \
+BLOCK(T, WT, tall, TALL_NB, 1, TALL_KEEP) BLOCK(T, WT, tall, TALL_NB, 2, TALL_KEEP)                                \
+BLOCK(T, WT, tall, TALL_NB, 3, TALL_KEEP) BLOCK(T, WT, tall, TALL_NB, 4, TALL_KEEP)                                \
+BLOCK(T, WT, tall, TALL_NB, 5, TALL_KEEP) BLOCK(T, WT, tall, TALL_NB, 6, TALL_KEEP)                                \
+BLOCK(T, WT, tall, TALL_NB, 7, TALL_KEEP) BLOCK(T, WT, tall, TALL_NB, 8, TALL_KEEP)                                \
+BLOCK(T, WT, narrow, 1, 1, 0) BLOCK(T, WT, narrow, 1, 2, 0)                                                      \
+BLOCK(T, WT, narrow, 1, 3, 0) BLOCK(T, WT, narrow, 1, 4, 0)                                                      \
+typedef void (*T##_block_fn)(const float *, int64_t, const WT *, int64_t, const float *, float *, int64_t, int);    \
+static const T##_block_fn T##_WIDE[5] = {0, T##_wide_1, T##_wide_2, T##_wide_3, T##_wide_4};                       \
+static const T##_block_fn T##_TALL[9] = {0, T##_tall_1, T##_tall_2, T##_tall_3, T##_tall_4,                       \
+                                         T##_tall_5, T##_tall_6, T##_tall_7, T##_tall_8};                         \
+static const T##_block_fn T##_NARROW[5] = {0, T##_narrow_1, T##_narrow_2, T##_narrow_3, T##_narrow_4};             \
+void linear_##T(const float *x, int64_t ldx, const WT *w, const float *b, float *y, int64_t ldy, int64_t M,         \
+                int64_t N, int64_t K) {                                                                            \
+    int64_t n = 0;                                                                                                 \
+    for (; M >= TALL_FROM && K <= TALL_K && n + TALL_NB <= N; n += TALL_NB)                                        \
+        for (int64_t m = 0; m < M; m += TALL_MB) {                                                                 \
+            int64_t mb = M - m < TALL_MB ? M - m : TALL_MB;                                                        \
+            T##_TALL[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy,                      \
+                         n + 2 * TALL_NB <= N);                                                                    \
+        }                                                                                                          \
+    for (; (M >= WIDE_FROM || T##_WIDE_FROM_1) && n + WIDE_NB <= N; n += WIDE_NB)                                  \
+        for (int64_t m = 0; m < M; m += WIDE_MB) {                                                                 \
+            int64_t mb = M - m < WIDE_MB ? M - m : WIDE_MB;                                                        \
+            T##_WIDE[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy,                      \
+                         m == 0 && n + 2 * WIDE_NB <= N);                                                          \
+        }                                                                                                          \
+    for (; n < N; n++)                                                                                             \
+        for (int64_t m = 0; m < M; m += 4) {                                                                       \
+            int64_t mb = M - m < 4 ? M - m : 4;                                                                    \
+            T##_NARROW[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy, 0);                \
+        }                                                                                                          \
+}
+LINEAR(F32, float)
+LINEAR(BF16, uint16_t)

@@ -1,0 +1,79 @@
+#include <stdint.h>
+#include <math.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+typedef __m512 vec;
+#define LANES 16
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VZERO() _mm512_setzero_ps()
+#define VSTORE(p, a) _mm512_storeu_ps(p, a)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VSUB(a, b) _mm512_sub_ps(a, b)
+static inline float vsum(vec v) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+typedef __m256 vec;
+#define LANES 8
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VZERO() _mm256_setzero_ps()
+#define VSTORE(p, a) _mm256_storeu_ps(p, a)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VSUB(a, b) _mm256_sub_ps(a, b)
+static inline float vsum(vec v) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+}
+#else
+typedef float vec;
+#define LANES 1
+#define VLOAD(p) (*(p))
+#define VFMA(a, b, c) fmaf(a, b, c)
+#define VZERO() 0.0f
+#define VSTORE(p, a) (*(p) = (a))
+#define VADD(a, b) ((a) + (b))
+#define VSUB(a, b) ((a) - (b))
+#define VSET(c) (c)
+static inline float vsum(vec v) { return v; }
+#endif
+
+/* Weights in float32 or bfloat16 (widened exactly to float32 on load; the arithmetic is float32 either way). */
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } c = {(uint32_t)h << 16};
+    return c.f;
+}
+#define F32_SCALAR(p) (*(p))
+#define BF16_SCALAR(p) bf16_to_f32(*(p))
+#if LANES == 16
+#define F32_LOAD(p) _mm512_loadu_ps(p)
+#define BF16_LOAD(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#elif LANES == 8
+#define F32_LOAD(p) _mm256_loadu_ps(p)
+#define BF16_LOAD(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#else
+#define F32_LOAD(p) (*(p))
+#define BF16_LOAD(p) bf16_to_f32(*(p))
+#endif
+
+/* KEEP_X: the tall blocks hold each input chunk in a register for its NB FMAs. Left to itself, GCC 12 folds the
+   load into every FMA (NB loads of the same chunk): at 3 x 8 that is 27 vector loads for 24 FMAs, and a Zen 4 core
+   loads one 512-bit vector a cycle, so the block ran load-bound at ~70% of the FMA peak (81 of 117 GFLOP/s from
+   L2; 94-97 held in a register, twenty-fifth session, docs/engine.md). The wide 4 x MB blocks of 3-4 rows, which
+   stream the weights from memory, ran slower held, so they keep the compiler's choice. The asm changes no
+   arithmetic: the same FMAs in the same order. */
+#if defined(__AVX512F__)
+#define KEEP_X(v) __asm__("" : "+v"(v))
+#else
+#define KEEP_X(v) (void)(v)
+#endif
