@@ -35,6 +35,16 @@ def baseline_module(revision: str):
     ).stdout
     path = Path(tempfile.mkdtemp(prefix="mirror-kernels-")) / "kernels_baseline.py"
     path.write_text(source)
+    # since 1a16fea the C source is the package's csrc/ beside kernels.py (before, a string inside it)
+    files = subprocess.run(
+        ["git", "ls-tree", "--name-only", f"{revision}:mirror_train/csrc"], cwd=root, capture_output=True, text=True
+    )
+    if files.returncode == 0:
+        (path.parent / "csrc").mkdir()
+        for name in files.stdout.split():
+            show = ["git", "show", f"{revision}:mirror_train/csrc/{name}"]
+            text = subprocess.run(show, cwd=root, check=True, capture_output=True, text=True).stdout
+            (path.parent / "csrc" / name).write_text(text)
     spec = importlib.util.spec_from_file_location("kernels_baseline", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
