@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import copy
+import fnmatch
 import os
 import platform
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +28,26 @@ needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler
 def test_the_kernels_build_wherever_there_is_a_compiler():
     """A source that no longer compiles would otherwise pass as every kernel test skipping."""
     assert kernels.available()
+
+
+def test_the_c_source_is_every_part_kernels_c_includes_and_the_build_key_follows_each(monkeypatch, tmp_path):
+    """kernels.c includes its parts; each must be in csrc/ (shipped as package data: pyproject's globs) and in what
+    the build key hashes, or an edited part would load a stale library."""
+    parts = re.findall(r'#include "([^"]+)"', (kernels.SOURCE_DIR / "kernels.c").read_text())
+    assert parts and all((kernels.SOURCE_DIR / name).is_file() for name in parts)
+    shipped = re.search(r"mirror_train = \[([^\]]*)\]", (Path(__file__).parents[1] / "pyproject.toml").read_text())
+    globs = re.findall(r'"([^"]+)"', shipped.group(1))
+    assert all(any(fnmatch.fnmatch(f"csrc/{name}", g) for g in globs) for name in ["kernels.c", *parts])
+    copy_dir = tmp_path / "csrc"
+    shutil.copytree(kernels.SOURCE_DIR, copy_dir)
+    monkeypatch.setattr(kernels, "SOURCE_DIR", copy_dir)
+    key = kernels._build_key()
+    for name in parts:
+        before = (copy_dir / name).read_text()
+        (copy_dir / name).write_text(before + "\n/* edited */\n")
+        assert kernels._build_key() != key, name
+        (copy_dir / name).write_text(before)
+    assert kernels._build_key() == key
 
 
 @needs_kernel
