@@ -131,7 +131,7 @@ def install(model: nn.Module, kind: str = "auto") -> str:
         return kind
     for module in linears:
         # an earlier install's state (a screen stays where this install serves the head as it did: `exact` below)
-        for key in ("_packed", "_packed_dtype", "min_rows", "routes", "_panels", "_dot") + (
+        for key in ("_packed", "_packed_dtype", "min_rows", "routes", "_panels", "_narrow", "_dot") + (
             ("_screen",) * (kind != "exact")
         ):
             module.__dict__.pop(key, None)
@@ -141,9 +141,20 @@ def install(model: nn.Module, kind: str = "auto") -> str:
     if kind == "exact":
         for module in linears:
             module.__class__ = ExactLinear
-        if panels:
-            kernels.serve_panels(*[m for m in linears if m.weight.dtype in kernels.WEIGHT_DTYPES])
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        # float32 weights holding bfloat16 values only (a bfloat16 checkpoint served in float32) are read from
+        # bfloat16 copies, in the layout bfloat16 weights measured fastest in, where that measured faster here: the
+        # same bits from half the bytes (kernels.serve_narrow). All or none (a fused layer reads its seven linears in
+        # one dtype); not the LM head's, which greedy steps read through its screen
+        body = [m for m in linears if m.weight.dtype in kernels.WEIGHT_DTYPES and m is not head]
+        narrow = bool(body) and kernels.narrow() and all(kernels.bf16_exact(m.weight) for m in body)
+        if narrow:
+            panels = kernels.layout(torch.bfloat16) == "panels"
+        if panels:
+            kernels.serve_panels(*body, narrow=narrow)
+            kernels.serve_panels(*[m for m in linears if m is head and m.weight.dtype in kernels.WEIGHT_DTYPES])
+        elif narrow:
+            kernels.serve_narrow(*body)
         if isinstance(head, ExactLinear) and screened_head.screen_of(head) is None:
             screened_head.build(head)  # greedy tokens through a bfloat16 screen, where it pays (measured here)
         return kind
@@ -316,10 +327,11 @@ class ExactLinear(nn.Linear):
             return nn.functional.linear(x, w, self.bias)
         if x.numel() > kernels.MAX_ROWS * self.in_features:
             return prefill_linear(x, w, self.bias)
-        return kernels.linear(x, w, self.bias, kernels.panels_of(self))
+        rows, panels = kernels.served(self)  # the weight, or its bfloat16 copy (kernels.serve_narrow); its panels
+        return kernels.linear(x, rows, self.bias, panels)
 
     def __deepcopy__(self, memo):
-        return _plain_copy(self, memo, ("_panels", "_screen"))
+        return _plain_copy(self, memo, ("_panels", "_narrow", "_screen"))
 
 
 PREFILL_ROWS = 2 * kernels.MAX_ROWS  # the rows `prefill_path` times a layer shape at

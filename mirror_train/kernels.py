@@ -141,8 +141,8 @@ def linear(
 ) -> torch.Tensor:
     """x (..., K) · weightᵀ (+ bias) on the CPU for at most MAX_ROWS rows; `weight` contiguous (N, K), float32 or
     bfloat16 (widened exactly; the sums are float32, the result rounded once to x's dtype). `panels`: the weight as
-    `to_panels` lays it out, read instead of `weight` (a different function in the last bits, row-exact too). Call
-    only where `available()`."""
+    `to_panels` lays it out, read instead of `weight` (a different function in the last bits, row-exact too), in
+    either dtype whatever the weight's. Call only where `available()`."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.dtype != torch.float32 or not rows.is_contiguous():
         rows = rows.to(torch.float32).contiguous()
@@ -151,7 +151,7 @@ def linear(
     m, k = rows.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    lib, f32 = _library(), weight.dtype == torch.float32
+    lib, f32 = _library(), (weight if panels is None else panels).dtype == torch.float32
     if panels is None:
         kernel, w = (lib.linear_F32 if f32 else lib.linear_BF16), weight
     else:
@@ -248,37 +248,84 @@ def panels_of(module: torch.nn.Module) -> torch.Tensor | None:
     entry = module.__dict__.get("_panels")
     if entry is None:
         return None
-    panels, ptr, version = entry
+    panels, ptr, version, narrow = entry
     w = module.weight
     if w.data_ptr() != ptr or w._version != version:
-        panels = serve_panels(module)[0]
+        panels = serve_panels(module, narrow=narrow)[0]
     return panels
 
 
-def serve_panels(*modules: torch.nn.Module) -> list[torch.Tensor]:
+def serve_panels(*modules: torch.nn.Module, narrow: bool = False) -> list[torch.Tensor]:
     """Keep a panel copy of each module's weight beside it (the weight stays: a prefill's GEMM and anything that
     borrows it read the rows), for `linear(..., panels=panels_of(module))`; all of them in one arena of huge pages
-    (alignment.pack: a model's panels are streamed like its weights). Returns them."""
-    placed = alignment.pack([to_panels(m.weight) for m in modules])
+    (alignment.pack: a model's panels are streamed like its weights). `narrow`: a float32 weight that holds only
+    bfloat16 values (`bf16_exact`) gets bfloat16 panels, the same function on half the bytes (`serve_narrow`).
+    Returns them."""
+    narrowed = [narrow and bf16_exact(m.weight) for m in modules]
+    placed = alignment.pack([to_panels(m.weight.bfloat16() if n else m.weight) for m, n in zip(modules, narrowed)])
     for module, panels in zip(modules, placed, strict=True):
         w = module.weight
-        module.__dict__["_panels"] = (panels, w.data_ptr(), w._version)
+        module.__dict__["_panels"] = (panels, w.data_ptr(), w._version, narrow)
     return placed
 
 
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether a float32 weight holds bfloat16 values only (the low 16 bits of every element zero): a bfloat16
+    checkpoint loaded in float32, as most Hub models served in float32 are."""
+    w = weight.detach()
+    if w.dtype != torch.float32 or not w.is_contiguous():
+        return False
+    bits = w.view(torch.int32).reshape(-1)
+    step = 1 << 22  # a few MB of temporaries at a time, however large the weight
+    return all(not (bits[i : i + step] & 0xFFFF).any() for i in range(0, bits.numel(), step))
+
+
+def serve_narrow(*modules: torch.nn.Module) -> list[bool]:
+    """Keep a bfloat16 copy beside each float32 weight that holds bfloat16 values only (`bf16_exact`), read by the
+    kernels in the rows layout instead of the weight: they widen bfloat16 exactly on load, so the float32 sums and
+    every output are the same bits (tests/test_kernels.py), from half the bytes a decoding step streams. The weight
+    stays (a prefill's GEMM, and whatever borrows it, read it). Returns which were narrowed."""
+    narrowed = [bf16_exact(m.weight) for m in modules]
+    chosen = [m for m, n in zip(modules, narrowed) if n]
+    for module, copy in zip(chosen, alignment.pack([m.weight.detach().bfloat16() for m in chosen]), strict=True):
+        w = module.weight
+        module.__dict__["_narrow"] = (copy, w.data_ptr(), w._version)
+    for module, n in zip(modules, narrowed):
+        if not n:
+            module.__dict__.pop("_narrow", None)
+    return narrowed
+
+
+def served(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the kernels read for a linear module: (its rows: the weight, or its bfloat16 copy where `serve_narrow`
+    made one, its panels or None), for `linear(x, rows, bias, panels)`. A weight moved or changed in place since
+    has its copies made again (a narrow copy only while its values are still bfloat16)."""
+    panels = panels_of(module)
+    entry = module.__dict__.get("_narrow")
+    if entry is None or panels is not None:
+        return module.weight, panels
+    copy, ptr, version = entry
+    w = module.weight
+    if w.data_ptr() != ptr or w._version != version:
+        return (copy if serve_narrow(module)[0] else w), None
+    return copy, None
+
+
 LAYOUTS = ("rows", "panels")
+MEASURED = (*LAYOUTS, *(f"{name}_bf16" for name in LAYOUTS))  # what `layout_times` times: each layout, f32 and bf16
 LAYOUT_BYTES = 48 * 2**20  # the weights `layout` streams a timed call through: far past a CPU's L2, as in serving
 
 
 @functools.cache
-def layout() -> str:
-    """How the served linears' weights are laid out for the kernels on this machine: "rows" (the weight as it is, a
-    block of weight rows x input rows, LANES partial sums an output) or "panels" (`to_panels`, one sum chain an
-    output; a second copy of the weights, the rows kept for the prefill's GEMM). $MIRROR_TRAIN_KERNEL_LAYOUT (rows,
-    panels, auto) decides; auto, the default, times both once per machine (kept with the compiled library) over
-    LAYOUT_BYTES of float32 weights at one and eight rows (a one-token step and a verification window) and takes the
-    faster in sum. On an AVX2-only Zen 3 core panels took 0.66x / 0.77x the rows' time (docs/engine.md,
-    twenty-seventh session); the rows layout was tuned on AVX-512 CPUs, where panels have not been measured yet."""
+def layout(dtype: torch.dtype = torch.float32) -> str:
+    """How the served linears' weights are laid out for the kernels on this machine, for weights read in `dtype`:
+    "rows" (the weight as it is, a block of weight rows x input rows, LANES partial sums an output) or "panels"
+    (`to_panels`, one sum chain an output; a second copy of the weights, the rows kept for the prefill's GEMM).
+    $MIRROR_TRAIN_KERNEL_LAYOUT (rows, panels, auto) decides; auto, the default, times both once per machine (kept
+    with the compiled library) over LAYOUT_BYTES of weights at one and eight rows (a one-token step and a
+    verification window) and takes the faster in sum. On an AVX2-only Zen 3 core float32 panels took 0.66x / 0.77x
+    the rows' time (docs/engine.md, twenty-seventh session); on a Zen 4 rows won in float32 and panels in bfloat16
+    (thirty-fourth session)."""
     name = os.environ.get("MIRROR_TRAIN_KERNEL_LAYOUT", "auto")
     if name in LAYOUTS:
         return name
@@ -286,12 +333,37 @@ def layout() -> str:
         raise ValueError(f"MIRROR_TRAIN_KERNEL_LAYOUT must be auto, rows or panels, got {name!r}")
     if not available():
         return "rows"
-    # measured once per machine and kept beside the library: every process here (a Spec-Bench run resumed later,
-    # the engine's draft process) then serves the same function, which a measurement's noise could otherwise flip
+    times = _machine_times()
+    return min(LAYOUTS, key=lambda name: times[name + ("_bf16" if dtype == torch.bfloat16 else "")])
+
+
+@functools.cache
+def narrow() -> bool:
+    """Whether a float32 model whose weights hold bfloat16 values only is served from bfloat16 copies of them
+    (`serve_narrow`, `serve_panels(narrow=True)`: the same bits from half the bytes), in `layout(torch.bfloat16)`.
+    $MIRROR_TRAIN_KERNEL_NARROW (auto, on, off) decides; auto, the default, where the bfloat16 copies in their best
+    layout measured faster at one plus eight rows than float32 in its best (`layout_times`, once per machine): the
+    one-token step streams half the bytes, while the widening costs a window's compute-bound rows a little
+    (measured: docs/engine.md, thirty-fourth session)."""
+    name = os.environ.get("MIRROR_TRAIN_KERNEL_NARROW", "auto")
+    if name in ("on", "off"):
+        return name == "on"
+    if name != "auto":
+        raise ValueError(f"MIRROR_TRAIN_KERNEL_NARROW must be auto, on or off, got {name!r}")
+    if not available():
+        return False
+    times = _machine_times()
+    return min(times[f"{name}_bf16"] for name in LAYOUTS) < min(times[name] for name in LAYOUTS)
+
+
+def _machine_times() -> dict[str, float]:
+    """`layout_times`, measured once per machine and kept beside the library: every process here (a Spec-Bench run
+    resumed later, the engine's draft process) then serves the same function, which a measurement's noise could
+    otherwise flip."""
     path = _cache_dir() / f"layout_{_build_key()}.json"
     try:
         times = json.loads(path.read_text())
-        if set(times) != set(LAYOUTS):
+        if set(times) != set(MEASURED):
             raise ValueError(path)
     except (OSError, ValueError):
         times = layout_times()
@@ -301,37 +373,44 @@ def layout() -> str:
             Path(tmp.name).replace(path)  # atomic: a concurrent measurement's file or this one, whole
         except OSError:
             pass
-    return min(times, key=times.get)
+    return times
 
 
 @functools.cache
 def layout_times(rounds: int = 3) -> dict[str, float]:
     """Milliseconds a layout's linears take over LAYOUT_BYTES of float32 weights (a (1536, 576) shape, the testbed's
-    MLP) at one row plus at eight rows: medians of alternating rounds, one thread (`layout`'s measurement)."""
+    MLP) at one row plus at eight rows, and the same weights' values stored in bfloat16 ("rows_bf16", "panels_bf16":
+    `narrow`'s copies): medians of alternating rounds, one thread (`layout`'s and `narrow`'s measurement)."""
     import statistics
     import time
 
     gen = torch.Generator().manual_seed(0)
     shape = (1536, 576)
-    weights = [torch.rand(shape, generator=gen) - 0.5 for _ in range(max(1, LAYOUT_BYTES // (4 * shape[0] * shape[1])))]
-    weights = alignment.pack(weights)  # on huge pages, as served weights are (alignment.py)
-    panels = alignment.pack([to_panels(w) for w in weights])
+    count = max(1, LAYOUT_BYTES // (4 * shape[0] * shape[1]))
+    weights = alignment.pack([(torch.rand(shape, generator=gen) - 0.5).bfloat16().float() for _ in range(count)])
+    halves = alignment.pack([w.bfloat16() for w in weights])  # on huge pages, as served weights are (alignment.py)
+    read = {
+        "rows": [(w, None) for w in weights],
+        "panels": list(zip(weights, alignment.pack([to_panels(w) for w in weights]))),
+        "rows_bf16": [(h, None) for h in halves],
+        "panels_bf16": list(zip(halves, alignment.pack([to_panels(h) for h in halves]))),
+    }
     x = torch.rand(8, shape[1], generator=gen)
-    times: dict[tuple[str, int], list[float]] = {(name, r): [] for name in LAYOUTS for r in (1, 8)}
+    times: dict[tuple[str, int], list[float]] = {(name, r): [] for name in MEASURED for r in (1, 8)}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
             for _ in range(rounds + 1):  # the first round warms
                 for r in (1, 8):
-                    for name in LAYOUTS:
+                    for name in MEASURED:
                         start = time.perf_counter()
-                        for w, p in zip(weights, panels):
-                            linear(x[:r], w, panels=p if name == "panels" else None)
+                        for w, p in read[name]:
+                            linear(x[:r], w, panels=p)
                         times[(name, r)].append((time.perf_counter() - start) * 1e3)
     finally:
         torch.set_num_threads(threads)
-    return {name: sum(statistics.median(times[(name, r)][1:]) for r in (1, 8)) for name in LAYOUTS}
+    return {name: sum(statistics.median(times[(name, r)][1:]) for r in (1, 8)) for name in MEASURED}
 
 
 def _run_pointers(runs: torch.Tensor) -> tuple[int, int, int]:
@@ -402,28 +481,35 @@ class LayerWeights:
     scale: float
     layer_idx: int  # its place in the model's cache
     keep: tuple  # the tensors the addresses point into
-    bf16: bool = False  # the linears' weights are bfloat16 (widened on load; the sums stay float32)
+    bf16: bool = False  # the linears are read in bfloat16 (widened on load; the sums stay float32)
     # how the linears are read: 0 their rows, 1 their panels (`serve_panels`), 2 their bfloat16 panels on the dot
     # product, the inputs rounded to bfloat16 (a draft's linears marked `dot` by fastpath.install: `linear_dot`)
     panels: int = 0
 
 
-def layer_weights(ln1, ln2, eps, linears, heads, kv_heads, head_dim, scale, layer_idx) -> LayerWeights:
+def layer_weights(ln1, ln2, eps, linears, heads, kv_heads, head_dim, scale, layer_idx) -> LayerWeights | None:
     """`linears`: the q, k, v, o, gate, up, down nn.Linear modules, in that order, their weights all float32 or all
-    bfloat16 (contiguous); ln1, ln2 float32. Read from their panels where all seven are served from panels (the
-    function their own forwards compute), else from their rows."""
+    bfloat16 (contiguous); ln1, ln2 float32. Read as their own forwards read them (`served`): from their panels
+    where all seven are served from panels, else from their rows (bfloat16 copies where all seven have one, else
+    the weights: the same values and bits). None where panels are read in different dtypes (a weight changed in
+    place to values bfloat16 does not hold): the layer's modules then run one by one, each on its own."""
     dtypes = {m.weight.dtype for m in linears}
     if len(dtypes) != 1 or not dtypes <= set(WEIGHT_DTYPES):
         raise ValueError(f"a fused layer's linears share one weight dtype of {WEIGHT_DTYPES}, got {dtypes}")
     arr = ctypes.c_void_p * 7
-    panels = [panels_of(m) for m in linears]
-    read = panels if all(p is not None for p in panels) else [m.weight for m in linears]
+    rows, panels = zip(*(served(m) for m in linears))
+    read = panels if all(p is not None for p in panels) else rows
+    if len({t.dtype for t in read}) != 1:
+        if read is panels:
+            return None
+        read = [m.weight for m in linears]
+    dtypes = {read[0].dtype}
     weights = arr(*(t.data_ptr() for t in read))
     biases = [None if m.bias is None else m.bias.detach().float().contiguous() for m in linears]  # read as float32
     keep = (ln1, ln2, *read, *biases)
     biases = arr(*(None if b is None else b.data_ptr() for b in biases))
     inter = linears[4].out_features
-    bf16 = dtypes == {torch.bfloat16}
+    bf16 = dtypes == {torch.bfloat16}  # the weights' values are read as bfloat16 and widened
     mode = (2 if bf16 and all(m.__dict__.get("_dot") for m in linears) else 1) if read is panels else 0
     return LayerWeights(
         ln1, ln2, eps, weights, biases, inter, heads, kv_heads, head_dim, scale, layer_idx, keep, bf16, mode

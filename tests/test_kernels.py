@@ -105,19 +105,25 @@ def test_panels_interleave_lanes_of_weight_rows_and_the_layout_is_measured_once_
     kernels.layout.cache_clear()
     try:
         times = kernels.layout_times()
-        assert set(times) == set(kernels.LAYOUTS) and all(t > 0 for t in times.values())
-        assert kernels.layout() == min(times, key=times.get)
+        assert set(times) == set(kernels.MEASURED) and all(t > 0 for t in times.values())
+        assert kernels.layout() == min(kernels.LAYOUTS, key=times.get)
         (kept,) = tmp_path.glob("layout_*.json")
-        for text, chosen in (('{"rows": 1.0, "panels": 2.0}', "rows"), ("{not json", min(times, key=times.get))):
+        other = '{"rows": 1.0, "panels": 2.0, "rows_bf16": 0.9, "panels_bf16": 0.5}'
+        for text, chosen in ((other, "rows"), ("{not json", min(kernels.LAYOUTS, key=times.get))):
             kept.write_text(text)  # another process's measurement, then a corrupt file (measured again)
             kernels.layout.cache_clear()
             assert kernels.layout() == chosen
+        kept.write_text(other)
+        kernels.layout.cache_clear()
+        kernels.narrow.cache_clear()
+        assert kernels.layout(torch.bfloat16) == "panels" and kernels.narrow()  # bfloat16 copies: measured faster
         kernels.layout.cache_clear()
         monkeypatch.setenv("MIRROR_TRAIN_KERNEL_LAYOUT", "tiles")
         with pytest.raises(ValueError, match="auto, rows or panels"):
             kernels.layout()
     finally:
         kernels.layout.cache_clear()
+        kernels.narrow.cache_clear()
 
 
 @needs_kernel
@@ -152,6 +158,83 @@ def test_an_exact_model_serves_the_layout_chosen_and_panels_follow_their_weight(
         assert fused and set(fused) == {layout == "panels"}  # the C layers ran, on the layout served
     finally:
         kernels.layout.cache_clear()
+
+
+def test_a_float32_weight_is_bf16_exact_when_every_value_is_a_bfloat16_one():
+    w = torch.randn(300, 7, generator=torch.Generator().manual_seed(0))
+    assert not kernels.bf16_exact(w)
+    assert kernels.bf16_exact(w.bfloat16().float()) and kernels.bf16_exact(torch.zeros(3, 3))
+    assert not kernels.bf16_exact(w.bfloat16()) and not kernels.bf16_exact(w.bfloat16().float().T)  # only f32, rows
+    nudged = w.bfloat16().float()
+    nudged[299, 6] = torch.nextafter(nudged[299, 6], torch.tensor(9.0))  # one value past bfloat16's
+    assert not kernels.bf16_exact(nudged)
+
+
+def _bf16_valued(model: nn.Module) -> nn.Module:
+    """A bfloat16 checkpoint loaded in float32: every parameter's values bfloat16 ones."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    return model
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", kernels.LAYOUTS)
+def test_bf16_valued_float32_weights_are_served_from_bfloat16_copies_with_the_same_bits(layout, monkeypatch):
+    """A float32 model whose weights hold bfloat16 values (a bfloat16 checkpoint served in float32) reads bfloat16
+    copies in the kernels (half the bytes), the LM head apart, and computes the same bits as served from its float32
+    weights in the same layout: windows, one-token steps and the fused C layers. A weight changed in place to values
+    bfloat16 does not hold is read in float32 again (in rows its layer reads every weight itself, the same bits; in
+    panels it runs module by module), and the model stays the function of its current weights; a model not all
+    bf16-valued is not narrowed at all."""
+    from mirror_train.random_models import tiny_model
+
+    monkeypatch.setenv("MIRROR_TRAIN_KERNEL_LAYOUT", layout)
+    kernels.layout.cache_clear()
+    fused, layer = [], kernels.decoder_layer
+    monkeypatch.setattr(kernels, "decoder_layer", lambda *a, **k: fused.append(a[1].bf16) or layer(*a, **k))
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+
+    def run(model):
+        cache = transformers.DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(ids[:, :6], cache=cache)
+            return torch.cat([model(ids[:, 6:7], cache=cache).logits, model(ids[:, 7:11], cache=cache).logits], 1)
+
+    def read_dtypes(model):
+        return {kernels.served(m)[1 if kernels.served(m)[1] is not None else 0].dtype: 1 for m in linears(model)}
+
+    def linears(model):
+        return [m for m in model.modules() if isinstance(m, nn.Linear) and m is not model.lm_head]
+
+    try:
+        models = {}
+        for narrow in ("on", "off"):
+            monkeypatch.setenv("MIRROR_TRAIN_KERNEL_NARROW", narrow)
+            kernels.narrow.cache_clear()
+            models[narrow] = _bf16_valued(tiny_model())
+            fastpath.install(models[narrow], "exact")
+        assert set(read_dtypes(models["on"])) == {torch.bfloat16} and set(read_dtypes(models["off"])) == {torch.float32}
+        assert kernels.served(models["on"].lm_head)[0].dtype == torch.float32
+        assert all(m.weight.dtype == torch.float32 for m in linears(models["on"]))  # the weights stay
+        fused.clear()
+        assert torch.equal(run(models["on"]), run(models["off"]))
+        assert fused and set(fused) == {True, False}  # the C layers ran, on bfloat16 copies and on float32 weights
+        gate = models["on"].model.layers[0].mlp.gate_proj
+        with torch.no_grad():
+            gate.weight.add_(1e-3 * torch.randn_like(gate.weight))  # in place: no longer bfloat16 values
+        assert kernels.served(gate)[1 if layout == "panels" else 0].dtype == torch.float32
+        plain = tiny_model()
+        plain.load_state_dict(models["on"].state_dict())
+        fastpath.install(plain, "exact")
+        if layout == "rows":
+            assert torch.equal(run(models["on"]), run(plain))
+        else:  # its layer ran module by module (the C layer reads its panels in one dtype): the last bits may move
+            torch.testing.assert_close(run(models["on"]), run(plain), atol=1e-5, rtol=1e-5)
+        assert set(read_dtypes(plain)) == {torch.float32}  # one weight not bf16-valued: none narrowed
+    finally:
+        kernels.layout.cache_clear()
+        kernels.narrow.cache_clear()
 
 
 def _attention_reference(q, k, v, scale):
