@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from mirror_train import kernels
 from mirror_train.engine import EngineConfig, MirrorEngine, SyntheticDraftConfig
 from mirror_train.engine.acceptance import accept, truncate
 from mirror_train.engine.branches import expected_overrun, plan_rollout, rank_branches, rollout_line, with_lookup
@@ -280,6 +281,37 @@ def test_every_method_reproduces_the_targets_greedy_output(
                 g = engine.generate(prompt, MAX_NEW, method=method, stop=[])
                 assert g.tokens == ref, (method, prompt)
                 assert sum(s.committed for s in g.steps) == MAX_NEW
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the kernels")
+@pytest.mark.parametrize("layout", kernels.LAYOUTS)
+def test_a_bf16_valued_target_read_from_bfloat16_copies_stays_lossless(prompts, layout, monkeypatch):
+    """A bfloat16 checkpoint served in float32 is read from bfloat16 copies of its weights (kernels.serve_narrow,
+    in either layout): every method still reproduces its greedy output, the prefill's GEMM reading the weights."""
+    from mirror_train import fastpath
+
+    monkeypatch.setenv("MIRROR_TRAIN_KERNEL_LAYOUT", layout)
+    monkeypatch.setenv("MIRROR_TRAIN_KERNEL_NARROW", "on")
+    kernels.layout.cache_clear()
+    kernels.narrow.cache_clear()
+    try:
+        tok = tiny_tokenizer()
+        target = Target(tiny_model("llama", layers=4, vocab=len(tok), seed=3), tok, "tiny")
+        with torch.no_grad():
+            for p in target.model.parameters():
+                p.copy_(p.bfloat16().float())
+        fastpath.install(target.model, "exact")
+        assert kernels.served(target.model.model.layers[1].mlp.down_proj)[layout == "panels"].dtype == torch.bfloat16
+        refs = [reference(target, p) for p in prompts]
+        draft = MirrorDrafterForCausalLM.from_target(target, 2, 2, 1)
+        cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local")
+        with MirrorEngine(target, None, draft, cfg) as engine:
+            for prompt, ref in zip(prompts, refs):
+                for method in ("ar", "sd", "mirror", "pld"):
+                    assert engine.generate(prompt, MAX_NEW, method=method, stop=[]).tokens == ref, (method, prompt)
+    finally:
+        kernels.layout.cache_clear()
+        kernels.narrow.cache_clear()
 
 
 def test_an_attention_proxy_head_with_its_own_cache_stays_lossless(target, draft, prompts, references):
