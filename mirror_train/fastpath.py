@@ -144,17 +144,17 @@ def install(model: nn.Module, kind: str = "auto") -> str:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         # float32 weights holding bfloat16 values only (a bfloat16 checkpoint served in float32) are read from
         # bfloat16 copies, in the layout bfloat16 weights measured fastest in, where that measured faster here: the
-        # same bits from half the bytes (kernels.serve_narrow). All or none (a fused layer reads its seven linears in
-        # one dtype); not the LM head's, which greedy steps read through its screen
-        body = [m for m in linears if m.weight.dtype in kernels.WEIGHT_DTYPES and m is not head]
+        # same bits from half the bytes (kernels.serve_narrow). The decoder's all or none (a fused layer reads its
+        # seven linears in one dtype); the LM head's where it is bf16-valued too
+        readable = [m for m in linears if m.weight.dtype in kernels.WEIGHT_DTYPES]
+        body = [m for m in readable if m is not head]
         narrow = bool(body) and kernels.narrow() and all(kernels.bf16_exact(m.weight) for m in body)
         if narrow:
             panels = kernels.layout(torch.bfloat16) == "panels"
         if panels:
-            kernels.serve_panels(*body, narrow=narrow)
-            kernels.serve_panels(*[m for m in linears if m is head and m.weight.dtype in kernels.WEIGHT_DTYPES])
+            kernels.serve_panels(*readable, narrow=narrow)
         elif narrow:
-            kernels.serve_narrow(*body)
+            kernels.serve_narrow(*readable)
         if isinstance(head, ExactLinear) and screened_head.screen_of(head) is None:
             screened_head.build(head)  # greedy tokens through a bfloat16 screen, where it pays (measured here)
         return kind

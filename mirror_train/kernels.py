@@ -165,11 +165,11 @@ def linear(
 def linear_at(x: torch.Tensor, weight: torch.Tensor, outputs: torch.Tensor, panels: torch.Tensor | None = None):
     """Columns `outputs` (sorted ids) of `linear(x, weight, None, panels)` for float32 x and weight, bit for bit,
     computing only those: each output's sum does not depend on which others a call computes (their rows gathered,
-    or, on panels, the panels that hold them). (M, len(outputs))."""
+    or, on panels of either dtype, the panels that hold them). (M, len(outputs))."""
     rows = x.reshape(-1, x.shape[-1])
     if panels is None:
         return linear(rows, weight.index_select(0, outputs))
-    width = panels.shape[-1]
+    width = lanes()  # a panel's outputs (bfloat16 panels end in their k-pairs)
     held = torch.unique(outputs // width)  # sorted
     sub = panels.index_select(0, held)
     shape = torch.empty(sub.shape[0] * width, rows.shape[1], device="meta")  # the held panels' weight: only its shape

@@ -39,20 +39,28 @@ def test_linear_at_computes_the_served_heads_bits_for_the_outputs_it_is_asked(la
 @pytest.mark.parametrize("layout", kernels.LAYOUTS)
 @pytest.mark.parametrize("dot", [True, False])
 @pytest.mark.parametrize("k", [96, 95])
-def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout, dot, k, monkeypatch):
+@pytest.mark.parametrize("values", ["float32", "bfloat16"])
+def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout, dot, k, values, monkeypatch):
     """Random heads and rows (1–40 of them, scaled from tiny to large logits), rows whose best ids are near-ties,
     and exact ties (duplicated weight rows: the first id wins, as torch.argmax): every token is the served head's.
     Both screens: the dot product's (bfloat16 inputs, an odd K's last pair padded) where the CPU has it, and the
-    widened weights'."""
+    widened weights'; a head of float32 values, and one of bfloat16 values read from its bfloat16 copy
+    (kernels.serve_narrow), whose screen is the head itself rounded to nothing."""
     if dot and not kernels.screen_dot():
         pytest.skip("no AVX512-BF16 here")
     monkeypatch.setattr(kernels, "screen_dot", lambda: dot)
-    monkeypatch.setattr(kernels, "layout", lambda: layout)
+    monkeypatch.setattr(kernels, "layout", lambda dtype=None: layout)
+    monkeypatch.setattr(kernels, "narrow", lambda: True)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(1000, k, generator=g) * 0.05
-    w[700] = w[30]  # exact ties between 30 and 700
     w[701] = w[31] * (1 + 2**-20)  # near-ties
+    if values == "bfloat16":
+        w = w.bfloat16().float()
+        w[701] = torch.nextafter(w[31].bfloat16(), torch.tensor(9.0, dtype=torch.bfloat16)).float()  # near-ties
+    w[700] = w[30]  # exact ties between 30 and 700
     head = served_head(w)
+    read = kernels.served(head)[layout == "panels"]
+    assert read.dtype == (torch.bfloat16 if values == "bfloat16" else torch.float32)
     screen = screened_head.screen_of(head)
     assert screen.dot == dot and (screen.low_panels is not None) == (dot or layout == "panels")
     checked = 0
