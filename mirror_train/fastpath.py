@@ -10,7 +10,10 @@ embeddings) untouched:
   call whatever the rows, so an 8-token window costs about a one-token step; both compute every output in one
   fixed order, so a window equals its one-token steps bit for bit (`Target.exact_windows`, on every CPU), with one
   attention call a layer instead of one a row. The linears read their weights as rows or as panels (a second,
-  interleaved copy: `kernels.layout`, measured once per machine).
+  interleaved copy: `kernels.layout`, measured once per machine). A float32 model whose weights hold bfloat16
+  values only (a bfloat16 checkpoint loaded in float32, as Hub models served in float32 mostly are) is read from
+  bfloat16 copies where that measured faster here (`kernels.narrow`): the kernels widen them exactly, so the same
+  bits from half the bytes a step streams.
 - `onednn`: oneDNN with its weights reordered once into its own blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`), from the row count measured to win per
   layer shape (it loses at 1–2 rows): where the kernels cannot be built.
