@@ -301,6 +301,23 @@ def installed(model: nn.Module) -> bool:
     return any(isinstance(m, (PackedLinear, ExactLinear, RoutedLinear)) for m in model.modules())
 
 
+def describe(model: nn.Module) -> dict:
+    """How a model's linears are served, for the records that name where a figure came from: the path (exact,
+    onednn, fastest, none), and on the kernels the layout and the dtype their weights are read in (bfloat16 for a
+    bf16-valued float32 model's copies: kernels.serve_narrow)."""
+    kinds = {ExactLinear: "exact", PackedLinear: "onednn", RoutedLinear: "fastest"}
+    linears = [m for m in model.modules() if type(m) in kinds]
+    if not linears:
+        return {"fast_path": "none"}
+    first = linears[0]
+    record = {"fast_path": kinds[type(first)]}
+    if record["fast_path"] != "onednn" and first.weight.dtype in kernels.WEIGHT_DTYPES and kernels.available():
+        rows, panels = kernels.served(first)
+        record["layout"] = "rows" if panels is None else "panels"
+        record["weights_read"] = str((rows if panels is None else panels).dtype).removeprefix("torch.")
+    return record
+
+
 def _plain_copy(module: nn.Linear, memo: dict, drop: tuple[str, ...]) -> nn.Linear:
     """A deep copy (`Target.cast`) is a plain nn.Linear: the fast path belongs to the model as served."""
     import copy

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from mirror_train.cli import eval_main
+from mirror_train.devices import cpu_model
 from mirror_train.errors import MirrorTrainError
 from mirror_train.eval.questions import check_file, load_questions
 from mirror_train.eval.score import score, write_report
@@ -116,6 +117,9 @@ def test_a_run_answers_every_method_identically_resumes_and_refuses_other_settin
 
     run_specbench(cfg)  # resumed: nothing left to do, nothing rewritten
     assert {m: (out / "answers" / f"{m}.jsonl").read_text().splitlines() for m in cfg.method_list} == lines
+    machines = json.loads((out / "run.json").read_text())["machines"]  # each start: where it was timed
+    assert len(machines) == 2 and all(m["cpu"] == cpu_model() and m["fast_path"] != "auto" for m in machines)
+    assert "Served from " in write_report(out).read_text()
     cfg.max_new_tokens = 16
     with pytest.raises(MirrorTrainError, match="max_new_tokens: 8 → 16"):
         run_specbench(cfg)

@@ -106,6 +106,12 @@ def markdown(result: dict, run: dict | None = None) -> str:
             f"`{s.get('datastore') or 'none'}`.",
             "",
         ]
+        for m in run.get("machines", []):  # each (re)start of the run: where its answers were timed
+            served = ", ".join(f"{k} {m[k]}" for k in ("fast_path", "layout", "weights_read") if m.get(k))
+            lines += [
+                f"Served from {m.get('started', '?')} on {m.get('cpu', '?')} ({m.get('target_device')}): {served}.",
+                "",
+            ]
     methods = list(result["methods"])
     groups = ["overall", *result["tasks"]]
     title = "## Speed-up over ar (mean per-question tokens/s ÷ ar's, Spec-Bench's definition)"

@@ -144,6 +144,24 @@ def _check_resume(out: Path, record: dict) -> None:
         )
 
 
+def _record_machine(out: Path, target) -> None:
+    """Append where this (re)start of the run serves from to run.json's `machines` (a resumed run may be on another
+    machine): the CPU, the target's device, how its linears are served (fastpath.describe). Not compared on resume."""
+    import datetime
+
+    from mirror_train import fastpath
+    from mirror_train.devices import cpu_model
+
+    path = out / "run.json"
+    run = json.loads(path.read_text())
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    machine = {"started": started, "cpu": cpu_model(), "target_device": str(target.device)}
+    run["machines"] = [*run.get("machines", []), machine | fastpath.describe(target.model)]
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(run, indent=1))
+    tmp.replace(path)  # atomic: a kill leaves the old record or the new, whole
+
+
 def _done(path: Path) -> set[str]:
     """Question ids already answered in an answer file (a torn last line, from a kill, is dropped)."""
     if not path.exists():
@@ -193,6 +211,7 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
     engine_cfg = cfg.engine
     uses_draft = any(m in ("sd", "mirror") for m in methods)
     engine = MirrorEngine(target, cfg.proxy_head, cfg.draft if uses_draft else None, engine_cfg)
+    _record_machine(out, target)
     assistant = None
     if "assisted" in methods:
         # the same network as the engine's draft, in the precision torch's own path runs fastest here (it is not
