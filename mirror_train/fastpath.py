@@ -10,10 +10,10 @@ embeddings) untouched:
   call whatever the rows, so an 8-token window costs about a one-token step; both compute every output in one
   fixed order, so a window equals its one-token steps bit for bit (`Target.exact_windows`, on every CPU), with one
   attention call a layer instead of one a row. The linears read their weights as rows or as panels (a second,
-  interleaved copy: `kernels.layout`, measured once per machine). A float32 model whose weights hold bfloat16
-  values only (a bfloat16 checkpoint loaded in float32, as Hub models served in float32 mostly are) is read from
-  bfloat16 copies where that measured faster here (`kernels.narrow`): the kernels widen them exactly, so the same
-  bits from half the bytes a step streams.
+  interleaved copy: `kernels.layout`, measured once per machine). A float32 model whose weights hold bfloat16 (or
+  float16) values only (a half-precision checkpoint loaded in float32, as Hub models served in float32 mostly are)
+  is read from copies in that dtype where that measured faster here (`kernels.narrow`): the kernels widen them
+  exactly, so the same bits from half the bytes a step streams.
 - `onednn`: oneDNN with its weights reordered once into its own blocked layout
   (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`), from the row count measured to win per
   layer shape (it loses at 1–2 rows): where the kernels cannot be built.
@@ -145,19 +145,26 @@ def install(model: nn.Module, kind: str = "auto") -> str:
         for module in linears:
             module.__class__ = ExactLinear
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        # float32 weights holding bfloat16 values only (a bfloat16 checkpoint served in float32) are read from
-        # bfloat16 copies, in the layout bfloat16 weights measured fastest in, where that measured faster here: the
-        # same bits from half the bytes (kernels.serve_narrow). The decoder's all or none (a fused layer reads its
-        # seven linears in one dtype); the LM head's where it is bf16-valued too
+        # float32 weights holding bfloat16 (else float16) values only (a bfloat16 or float16 checkpoint served in
+        # float32) are read from copies in that dtype, in the layout it measured fastest in, where that measured
+        # faster here: the same bits from half the bytes (kernels.serve_narrow). The decoder's all or none (a fused
+        # layer reads its seven linears in one dtype); the LM head's where its values are that dtype's too
         readable = [m for m in linears if m.weight.dtype in kernels.WEIGHT_DTYPES]
         body = [m for m in readable if m is not head]
-        narrow = bool(body) and kernels.narrow() and all(kernels.bf16_exact(m.weight) for m in body)
-        if narrow:
-            panels = kernels.layout(torch.bfloat16) == "panels"
+        narrow = next(
+            (
+                dtype
+                for dtype in kernels.NARROW_DTYPES
+                if body and kernels.narrow(dtype) and all(kernels.exact_in(m.weight, dtype) for m in body)
+            ),
+            None,
+        )
+        if narrow is not None:
+            panels = kernels.layout(narrow) == "panels"  # float16 copies: rows only
         if panels:
-            kernels.serve_panels(*readable, narrow=narrow)
-        elif narrow:
-            kernels.serve_narrow(*readable)
+            kernels.serve_panels(*readable, narrow=narrow is not None)
+        elif narrow is not None:
+            kernels.serve_narrow(*readable, dtype=narrow)
         if isinstance(head, ExactLinear) and screened_head.screen_of(head) is None:
             screened_head.build(head)  # greedy tokens through a bfloat16 screen, where it pays (measured here)
         return kind

@@ -99,7 +99,7 @@ def _library() -> ctypes.CDLL | None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     try:
         lib = ctypes.CDLL(str(path))
-        for fn in (lib.linear_F32, lib.linear_BF16, lib.linear_panels_F32, lib.linear_panels_BF16):
+        for fn in (lib.linear_F32, lib.linear_BF16, lib.linear_F16, lib.linear_panels_F32, lib.linear_panels_BF16):
             fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
             fn.restype = None
         lib.kernel_lanes.restype = ctypes.c_int
@@ -116,7 +116,7 @@ def _library() -> ctypes.CDLL | None:
         lib.attention_f32.argtypes += [ptr] * 3
         lib.attention_f32.restype = None
         # x, M, H, ln1, ln2, eps, weights[7], biases[7], I, NH, KVH, D, cos, sin, kbuf, vbuf, kv strides, past,
-        # scale, n1, s2, n2, scratch, whether the weights are bfloat16, whether they are panels
+        # scale, n1, s2, n2, scratch, the weights' type (READ_TYPES), whether they are panels
         lib.decoder_layer_f32.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_float, ptr, ptr, *[i64] * 4, ptr, ptr]
         lib.decoder_layer_f32.argtypes += [ptr, ptr, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr, ptr, ctypes.c_int]
         lib.decoder_layer_f32.argtypes += [ctypes.c_int]
@@ -134,6 +134,10 @@ def available() -> bool:
 
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+# the dtypes the kernels read weights in: a model's own, or float16 copies of a float16-valued float32 model's
+# (rows only: serve_narrow); the C functions' suffixes and decoder_layer's weight type codes
+READ_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+READ_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def linear(
@@ -151,11 +155,11 @@ def linear(
     m, k = rows.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    lib, f32 = _library(), (weight if panels is None else panels).dtype == torch.float32
+    lib = _library()
     if panels is None:
-        kernel, w = (lib.linear_F32 if f32 else lib.linear_BF16), weight
-    else:
-        kernel, w = (lib.linear_panels_F32 if f32 else lib.linear_panels_BF16), panels
+        kernel, w = getattr(lib, f"linear_{READ_NAMES[weight.dtype]}"), weight
+    else:  # panels in float32 or bfloat16
+        kernel, w = getattr(lib, f"linear_panels_{READ_NAMES[panels.dtype]}"), panels
     b = bias.data_ptr() if bias is not None else None
     kernel(rows.data_ptr(), k, w.data_ptr(), b, out.data_ptr(), n, m, n, k)
     out = out.view(*x.shape[:-1], n)
@@ -269,25 +273,41 @@ def serve_panels(*modules: torch.nn.Module, narrow: bool = False) -> list[torch.
     return placed
 
 
-def bf16_exact(weight: torch.Tensor) -> bool:
-    """Whether a float32 weight holds bfloat16 values only (the low 16 bits of every element zero): a bfloat16
-    checkpoint loaded in float32, as most Hub models served in float32 are."""
+NARROW_DTYPES = (torch.bfloat16, torch.float16)  # what a float32 weight's values may all be, tried in this order
+
+
+def exact_in(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a float32 weight holds `dtype` values only (bfloat16: the low 16 bits of every element zero; float16:
+    every element equal to itself through float16): a bfloat16 or float16 checkpoint loaded in float32, as Hub
+    models served in float32 mostly are."""
     w = weight.detach()
     if w.dtype != torch.float32 or not w.is_contiguous():
         return False
-    bits = w.view(torch.int32).reshape(-1)
+    flat = w.reshape(-1)
     step = 1 << 22  # a few MB of temporaries at a time, however large the weight
-    return all(not (bits[i : i + step] & 0xFFFF).any() for i in range(0, bits.numel(), step))
+    if dtype == torch.bfloat16:
+        bits = flat.view(torch.int32)
+        return all(not (bits[i : i + step] & 0xFFFF).any() for i in range(0, bits.numel(), step))
+    if dtype == torch.float16:
+        return all(
+            torch.equal(flat[i : i + step].half().float(), flat[i : i + step]) for i in range(0, flat.numel(), step)
+        )
+    return False
 
 
-def serve_narrow(*modules: torch.nn.Module) -> list[bool]:
-    """Keep a bfloat16 copy beside each float32 weight that holds bfloat16 values only (`bf16_exact`), read by the
-    kernels in the rows layout instead of the weight: they widen bfloat16 exactly on load, so the float32 sums and
-    every output are the same bits (tests/test_kernels.py), from half the bytes a decoding step streams. The weight
-    stays (a prefill's GEMM, and whatever borrows it, read it). Returns which were narrowed."""
-    narrowed = [bf16_exact(m.weight) for m in modules]
+def bf16_exact(weight: torch.Tensor) -> bool:
+    return exact_in(weight, torch.bfloat16)
+
+
+def serve_narrow(*modules: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[bool]:
+    """Keep a `dtype` copy (bfloat16 or float16) beside each float32 weight that holds such values only
+    (`exact_in`), read by the kernels in the rows layout instead of the weight: they widen both exactly on load, so
+    the float32 sums and every output are the same bits (tests/test_kernels.py), from half the bytes a decoding
+    step streams. The weight stays (a prefill's GEMM, and whatever borrows it, read it). Returns which were
+    narrowed."""
+    narrowed = [exact_in(m.weight, dtype) for m in modules]
     chosen = [m for m, n in zip(modules, narrowed) if n]
-    for module, copy in zip(chosen, alignment.pack([m.weight.detach().bfloat16() for m in chosen]), strict=True):
+    for module, copy in zip(chosen, alignment.pack([m.weight.detach().to(dtype) for m in chosen]), strict=True):
         w = module.weight
         module.__dict__["_narrow"] = (copy, w.data_ptr(), w._version)
     for module, n in zip(modules, narrowed):
@@ -297,9 +317,9 @@ def serve_narrow(*modules: torch.nn.Module) -> list[bool]:
 
 
 def served(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What the kernels read for a linear module: (its rows: the weight, or its bfloat16 copy where `serve_narrow`
-    made one, its panels or None), for `linear(x, rows, bias, panels)`. A weight moved or changed in place since
-    has its copies made again (a narrow copy only while its values are still bfloat16)."""
+    """What the kernels read for a linear module: (its rows: the weight, or its half-precision copy where
+    `serve_narrow` made one, its panels or None), for `linear(x, rows, bias, panels)`. A weight moved or changed in
+    place since has its copies made again (a narrow copy only while its values are still of the copy's dtype)."""
     panels = panels_of(module)
     entry = module.__dict__.get("_narrow")
     if entry is None or panels is not None:
@@ -307,12 +327,16 @@ def served(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     copy, ptr, version = entry
     w = module.weight
     if w.data_ptr() != ptr or w._version != version:
-        return (copy if serve_narrow(module)[0] else w), None
+        serve_narrow(module, dtype=copy.dtype)
+        entry = module.__dict__.get("_narrow")
+        return (w if entry is None else entry[0]), None
     return copy, None
 
 
 LAYOUTS = ("rows", "panels")
-MEASURED = (*LAYOUTS, *(f"{name}_bf16" for name in LAYOUTS))  # what `layout_times` times: each layout, f32 and bf16
+# what `layout_times` times: each layout in float32 and bfloat16, and the rows in float16 (no float16 panels)
+MEASURED = (*LAYOUTS, *(f"{name}_bf16" for name in LAYOUTS), "rows_f16")
+SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16", torch.float16: "_f16"}
 LAYOUT_BYTES = 48 * 2**20  # the weights `layout` streams a timed call through: far past a CPU's L2, as in serving
 
 
@@ -327,6 +351,8 @@ def layout(dtype: torch.dtype = torch.float32) -> str:
     the rows' time (docs/engine.md, twenty-seventh session); on a Zen 4 rows won in float32 and panels in bfloat16
     (thirty-fourth session)."""
     name = os.environ.get("MIRROR_TRAIN_KERNEL_LAYOUT", "auto")
+    if dtype == torch.float16:  # float16 copies are read in rows only
+        return "rows"
     if name in LAYOUTS:
         return name
     if name != "auto":
@@ -334,17 +360,17 @@ def layout(dtype: torch.dtype = torch.float32) -> str:
     if not available():
         return "rows"
     times = _machine_times()
-    return min(LAYOUTS, key=lambda name: times[name + ("_bf16" if dtype == torch.bfloat16 else "")])
+    return min(LAYOUTS, key=lambda name: times[name + SUFFIX[dtype]])
 
 
 @functools.cache
-def narrow() -> bool:
-    """Whether a float32 model whose weights hold bfloat16 values only is served from bfloat16 copies of them
-    (`serve_narrow`, `serve_panels(narrow=True)`: the same bits from half the bytes), in `layout(torch.bfloat16)`.
-    $MIRROR_TRAIN_KERNEL_NARROW (auto, on, off) decides; auto, the default, where the bfloat16 copies in their best
-    layout measured faster at one plus eight rows than float32 in its best (`layout_times`, once per machine): the
-    one-token step streams half the bytes, while the widening costs a window's compute-bound rows a little
-    (measured: docs/engine.md, thirty-fourth session)."""
+def narrow(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a float32 model whose weights hold `dtype` values only (bfloat16 or float16) is served from copies of
+    them in that dtype (`serve_narrow`, bfloat16 also `serve_panels(narrow=True)`: the same bits from half the
+    bytes), in `layout(dtype)`. $MIRROR_TRAIN_KERNEL_NARROW (auto, on, off) decides; auto, the default, where such
+    copies in their best layout measured faster at one plus eight rows than float32 in its best (`layout_times`,
+    once per machine): the one-token step streams half the bytes, while the widening costs a window's compute-bound
+    rows a little (measured: docs/engine.md, thirty-fourth session)."""
     name = os.environ.get("MIRROR_TRAIN_KERNEL_NARROW", "auto")
     if name in ("on", "off"):
         return name == "on"
@@ -353,7 +379,7 @@ def narrow() -> bool:
     if not available():
         return False
     times = _machine_times()
-    return min(times[f"{name}_bf16"] for name in LAYOUTS) < min(times[name] for name in LAYOUTS)
+    return times[layout(dtype) + SUFFIX[dtype]] < min(times[name] for name in LAYOUTS)
 
 
 def _machine_times() -> dict[str, float]:
@@ -379,8 +405,9 @@ def _machine_times() -> dict[str, float]:
 @functools.cache
 def layout_times(rounds: int = 3) -> dict[str, float]:
     """Milliseconds a layout's linears take over LAYOUT_BYTES of float32 weights (a (1536, 576) shape, the testbed's
-    MLP) at one row plus at eight rows, and the same weights' values stored in bfloat16 ("rows_bf16", "panels_bf16":
-    `narrow`'s copies): medians of alternating rounds, one thread (`layout`'s and `narrow`'s measurement)."""
+    MLP) at one row plus at eight rows, and the same weights' values stored in bfloat16 ("rows_bf16", "panels_bf16")
+    and float16 ("rows_f16": `narrow`'s copies): medians of alternating rounds, one thread (`layout`'s and
+    `narrow`'s measurement)."""
     import statistics
     import time
 
@@ -394,6 +421,7 @@ def layout_times(rounds: int = 3) -> dict[str, float]:
         "panels": list(zip(weights, alignment.pack([to_panels(w) for w in weights]))),
         "rows_bf16": [(h, None) for h in halves],
         "panels_bf16": list(zip(halves, alignment.pack([to_panels(h) for h in halves]))),
+        "rows_f16": [(h, None) for h in alignment.pack([w.half() for w in weights])],
     }
     x = torch.rand(8, shape[1], generator=gen)
     times: dict[tuple[str, int], list[float]] = {(name, r): [] for name in MEASURED for r in (1, 8)}
@@ -466,8 +494,8 @@ def attention(
 @dataclass(frozen=True)
 class LayerWeights:
     """What `decoder_layer` reads of one decoder layer: its tensors' addresses (contiguous CPU; the linears' weights
-    all float32 or all bfloat16, everything else float32), packed for the C call once (fused_layer.py rebuilds it
-    when a weight moves)."""
+    all float32 or all bfloat16, or read from float16 copies, everything else float32), packed for the C call once
+    (fused_layer.py rebuilds it when a weight moves)."""
 
     ln1: torch.Tensor
     ln2: torch.Tensor
@@ -481,7 +509,7 @@ class LayerWeights:
     scale: float
     layer_idx: int  # its place in the model's cache
     keep: tuple  # the tensors the addresses point into
-    bf16: bool = False  # the linears are read in bfloat16 (widened on load; the sums stay float32)
+    wtype: int = 0  # the dtype the linears are read in: float32 0, bfloat16 1, float16 2 (widened on load)
     # how the linears are read: 0 their rows, 1 their panels (`serve_panels`), 2 their bfloat16 panels on the dot
     # product, the inputs rounded to bfloat16 (a draft's linears marked `dot` by fastpath.install: `linear_dot`)
     panels: int = 0
@@ -509,10 +537,10 @@ def layer_weights(ln1, ln2, eps, linears, heads, kv_heads, head_dim, scale, laye
     keep = (ln1, ln2, *read, *biases)
     biases = arr(*(None if b is None else b.data_ptr() for b in biases))
     inter = linears[4].out_features
-    bf16 = dtypes == {torch.bfloat16}  # the weights' values are read as bfloat16 and widened
-    mode = (2 if bf16 and all(m.__dict__.get("_dot") for m in linears) else 1) if read is panels else 0
+    wtype = READ_TYPES[read[0].dtype]
+    mode = (2 if wtype == 1 and all(m.__dict__.get("_dot") for m in linears) else 1) if read is panels else 0
     return LayerWeights(
-        ln1, ln2, eps, weights, biases, inter, heads, kv_heads, head_dim, scale, layer_idx, keep, bf16, mode
+        ln1, ln2, eps, weights, biases, inter, heads, kv_heads, head_dim, scale, layer_idx, keep, wtype, mode
     )
 
 
@@ -557,7 +585,7 @@ def decoder_layer(
         lw.scale,
         *r,
         scratch.data_ptr(),
-        int(lw.bf16),
+        lw.wtype,
         int(lw.panels),
     )
     return out.view(1, m, hidden)
@@ -594,7 +622,7 @@ class StackLayer(ctypes.Structure):
         ("kv_sl", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
-        ("wbf16", ctypes.c_int32),
+        ("wtype", ctypes.c_int32),
         ("wpanels", ctypes.c_int32),
     ]
 
@@ -603,7 +631,7 @@ class StackLayer(ctypes.Structure):
         self.ln1, self.ln2 = lw.ln1.data_ptr(), lw.ln2.data_ptr()
         self.w[:], self.b[:] = list(lw.weights), list(lw.biases)
         self.I, self.NH, self.KVH, self.D = lw.intermediate, lw.heads, lw.kv_heads, lw.head_dim
-        self.eps, self.scale, self.wbf16, self.wpanels = lw.eps, lw.scale, int(lw.bf16), int(lw.panels)
+        self.eps, self.scale, self.wtype, self.wpanels = lw.eps, lw.scale, lw.wtype, int(lw.panels)
 
     def set_cache(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Where the layer's keys and values go: (1, KVH, capacity, D) buffers, the last dimension contiguous."""

@@ -1,7 +1,7 @@
 """The target's step against the hardware: read bandwidth, the floor it sets, and step times by window width on
 the default and the fast forward path (mirror_train/fastpath.py), one thread, as the engine's target runs.
 
-    python scripts/bench_target.py [--draft DIR] [--context 300] [--bf16-values] [--json]
+    python scripts/bench_target.py [--draft DIR] [--context 300] [--values bfloat16] [--json]
 
 - bandwidth: a `torch` sum over a 1 GB float32 tensor, one thread (GB/s), on 4 KiB pages and on huge pages (where
   the served weights live, alignment.py); floor: the target's weight bytes at the faster of the two (a one-token
@@ -21,9 +21,10 @@ the default and the fast forward path (mirror_train/fastpath.py), one thread, as
   peak (FMA units x lanes x 2 x clock), the bar is out of reach of any row-exact kernel on it;
 - draft_ms (with --draft): the draft's tree forward of one node with its streams, on the same thread, and its
   ratio to the target's one-token step;
-- with --bf16-values every weight is first rounded to a bfloat16 value, kept in float32 (what a bfloat16
-  checkpoint served in float32 is): `narrow` says whether the fast path reads bfloat16 copies of them (the same
-  bits from half the bytes, kernels.serve_narrow), while the floor still counts the float32 weights.
+- with --values bfloat16 (float16) every weight is first rounded to a bfloat16 (float16) value, kept in float32
+  (what a half-precision checkpoint served in float32 is): `weights_read` says whether the fast path reads
+  half-precision copies of them (the same bits from half the bytes, kernels.serve_narrow), while the floor still
+  counts the float32 weights.
 Prints a Markdown table, or one JSON object with --json.
 """
 
@@ -34,7 +35,7 @@ import json
 
 import torch
 
-from mirror_train import alignment, fastpath, kernels
+from mirror_train import alignment, fastpath
 from mirror_train.devices import cpu_model
 from mirror_train.target import Target
 from mirror_train.timing import interleaved_median_ms, median_ms, torch_threads
@@ -115,20 +116,22 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument(
-        "--bf16-values",
-        action="store_true",
-        help="round the target's weights to bfloat16 values, kept in float32: a bfloat16 checkpoint served in float32 "
-        "(the usual Hub model), which the fast path reads from bfloat16 copies where that measures faster here",
+        "--values",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="round the target's weights to bfloat16 or float16 values, kept in float32: a half-precision checkpoint "
+        "served in float32 (the usual Hub model), which the fast path reads from half-precision copies where that "
+        "measures faster here",
     )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     def load() -> Target:
         target = Target.load(args.target)
-        if args.bf16_values:
+        if args.values != "float32":
             with torch.no_grad():
                 for p in target.model.parameters():
-                    p.copy_(p.bfloat16().float())
+                    p.copy_(p.to(getattr(torch, args.values)).float())
         return target
 
     # one copy of the target per path (each loaded as served), so their steps interleave: no path is timed first
@@ -140,11 +143,7 @@ def main() -> None:
         fastpath.install(targets["onednn"].model, "onednn")
     targets["fast"] = load()
     kind = fastpath.install(targets["fast"].model, "auto")
-    linears = [m for m in targets["fast"].model.modules() if isinstance(m, torch.nn.Linear)]
-    narrowed = any(
-        kernels.served(m)[0].dtype == torch.bfloat16 or getattr(kernels.served(m)[1], "dtype", None) == torch.bfloat16
-        for m in linears
-    )
+    served = fastpath.describe(targets["fast"].model)
     with torch_threads(1), torch.inference_mode():
         # the floor from the faster of the two: the hardware's rate, whichever pages reach it
         bandwidths = {pages: read_bandwidth_gbs(huge_pages=pages == "huge") for pages in ("4k", "huge")}
@@ -155,9 +154,9 @@ def main() -> None:
         "cpu": cpu_model(),
         "torch": torch.__version__,
         "fast_path": kind,
-        "kernel_layout": kernels.layout(torch.bfloat16 if narrowed else torch.float32) if kind == "exact" else None,
-        "bf16_values": args.bf16_values,
-        "narrow": narrowed,  # the fast path reads bfloat16 copies of the (bfloat16-valued) float32 weights
+        "kernel_layout": served.get("layout"),
+        "values": args.values,  # the float32 weights' values: their own, or rounded to bfloat16 / float16 ones
+        "weights_read": served.get("weights_read"),  # the dtype the fast path reads them in (kernels.serve_narrow)
         "context": args.context,
         "weight_bytes": weights,
         "bandwidth_gbs": round(bandwidth, 2),

@@ -108,7 +108,7 @@ def test_panels_interleave_lanes_of_weight_rows_and_the_layout_is_measured_once_
         assert set(times) == set(kernels.MEASURED) and all(t > 0 for t in times.values())
         assert kernels.layout() == min(kernels.LAYOUTS, key=times.get)
         (kept,) = tmp_path.glob("layout_*.json")
-        other = '{"rows": 1.0, "panels": 2.0, "rows_bf16": 0.9, "panels_bf16": 0.5}'
+        other = '{"rows": 1.0, "panels": 2.0, "rows_bf16": 0.9, "panels_bf16": 0.5, "rows_f16": 1.5}'
         for text, chosen in ((other, "rows"), ("{not json", min(kernels.LAYOUTS, key=times.get))):
             kept.write_text(text)  # another process's measurement, then a corrupt file (measured again)
             kernels.layout.cache_clear()
@@ -117,6 +117,7 @@ def test_panels_interleave_lanes_of_weight_rows_and_the_layout_is_measured_once_
         kernels.layout.cache_clear()
         kernels.narrow.cache_clear()
         assert kernels.layout(torch.bfloat16) == "panels" and kernels.narrow()  # bfloat16 copies: measured faster
+        assert kernels.layout(torch.float16) == "rows" and not kernels.narrow(torch.float16)  # float16 ones: slower
         kernels.layout.cache_clear()
         monkeypatch.setenv("MIRROR_TRAIN_KERNEL_LAYOUT", "tiles")
         with pytest.raises(ValueError, match="auto, rows or panels"):
@@ -170,29 +171,29 @@ def test_a_float32_weight_is_bf16_exact_when_every_value_is_a_bfloat16_one():
     assert not kernels.bf16_exact(nudged)
 
 
-def _bf16_valued(model: nn.Module) -> nn.Module:
-    """A bfloat16 checkpoint loaded in float32: every parameter's values bfloat16 ones."""
+def _half_valued(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """A bfloat16 (or float16) checkpoint loaded in float32: every parameter's values `dtype` ones."""
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(p.bfloat16().float())
+            p.copy_(p.to(dtype).float())
     return model
 
 
 @needs_kernel
-@pytest.mark.parametrize("layout", kernels.LAYOUTS)
-def test_bf16_valued_float32_weights_are_served_from_bfloat16_copies_with_the_same_bits(layout, monkeypatch):
-    """A float32 model whose weights hold bfloat16 values (a bfloat16 checkpoint served in float32) reads bfloat16
-    copies in the kernels (half the bytes), and computes the same bits as served from its float32
-    weights in the same layout: windows, one-token steps and the fused C layers. A weight changed in place to values
-    bfloat16 does not hold is read in float32 again (in rows its layer reads every weight itself, the same bits; in
-    panels it runs module by module), and the model stays the function of its current weights; a model not all
-    bf16-valued is not narrowed at all."""
+@pytest.mark.parametrize("layout,half", [("rows", torch.bfloat16), ("panels", torch.bfloat16), ("rows", torch.float16)])
+def test_half_valued_float32_weights_are_served_from_half_copies_with_the_same_bits(layout, half, monkeypatch):
+    """A float32 model whose weights hold bfloat16 (or float16) values (a half-precision checkpoint served in
+    float32) reads copies in that dtype in the kernels (half the bytes; float16 in rows only), and computes the same
+    bits as served from its float32 weights in the same layout: windows, one-token steps and the fused C layers. A
+    weight changed in place to values the dtype does not hold is read in float32 again (in rows its layer reads
+    every weight itself, the same bits; in panels it runs module by module), and the model stays the function of
+    its current weights; a model not all half-valued is not narrowed at all."""
     from mirror_train.random_models import tiny_model
 
     monkeypatch.setenv("MIRROR_TRAIN_KERNEL_LAYOUT", layout)
     kernels.layout.cache_clear()
     fused, layer = [], kernels.decoder_layer
-    monkeypatch.setattr(kernels, "decoder_layer", lambda *a, **k: fused.append(a[1].bf16) or layer(*a, **k))
+    monkeypatch.setattr(kernels, "decoder_layer", lambda *a, **k: fused.append(a[1].wtype != 0) or layer(*a, **k))
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
 
     def run(model):
@@ -212,18 +213,18 @@ def test_bf16_valued_float32_weights_are_served_from_bfloat16_copies_with_the_sa
         for narrow in ("on", "off"):
             monkeypatch.setenv("MIRROR_TRAIN_KERNEL_NARROW", narrow)
             kernels.narrow.cache_clear()
-            models[narrow] = _bf16_valued(tiny_model())
+            models[narrow] = _half_valued(tiny_model(), half)
             fastpath.install(models[narrow], "exact")
-        assert set(read_dtypes(models["on"])) == {torch.bfloat16} and set(read_dtypes(models["off"])) == {torch.float32}
-        head = kernels.served(models["on"].lm_head)  # bf16-valued too: read from its copy (greedy: its screen)
-        assert (head[1] if layout == "panels" else head[0]).dtype == torch.bfloat16
+        assert set(read_dtypes(models["on"])) == {half} and set(read_dtypes(models["off"])) == {torch.float32}
+        head = kernels.served(models["on"].lm_head)  # half-valued too: read from its copy (greedy: its screen)
+        assert (head[1] if layout == "panels" else head[0]).dtype == half
         assert all(m.weight.dtype == torch.float32 for m in linears(models["on"]))  # the weights stay
         fused.clear()
         assert torch.equal(run(models["on"]), run(models["off"]))
         assert fused and set(fused) == {True, False}  # the C layers ran, on bfloat16 copies and on float32 weights
         gate = models["on"].model.layers[0].mlp.gate_proj
         with torch.no_grad():
-            gate.weight.add_(1e-3 * torch.randn_like(gate.weight))  # in place: no longer bfloat16 values
+            gate.weight.add_(1e-3 * torch.randn_like(gate.weight))  # in place: no longer half-precision values
         assert kernels.served(gate)[1 if layout == "panels" else 0].dtype == torch.float32
         plain = tiny_model()
         plain.load_state_dict(models["on"].state_dict())
@@ -232,7 +233,7 @@ def test_bf16_valued_float32_weights_are_served_from_bfloat16_copies_with_the_sa
             assert torch.equal(run(models["on"]), run(plain))
         else:  # its layer ran module by module (the C layer reads its panels in one dtype): the last bits may move
             torch.testing.assert_close(run(models["on"]), run(plain), atol=1e-5, rtol=1e-5)
-        assert set(read_dtypes(plain)) == {torch.float32}  # one weight not bf16-valued: none narrowed
+        assert set(read_dtypes(plain)) == {torch.float32}  # one weight not half-valued: none narrowed
     finally:
         kernels.layout.cache_clear()
         kernels.narrow.cache_clear()
@@ -282,6 +283,12 @@ def _check_linear():
             paneled = kernels.linear(x, w, None, p)
             torch.testing.assert_close(paneled.double(), exact.double(), atol=tol * k**0.5, rtol=tol)
             assert all(torch.equal(kernels.linear(x[r : r + 1], w, None, p), paneled[r : r + 1]) for r in range(9))
+    for half in kernels.NARROW_DTYPES:  # copies of half-precision values: the float32 weights' bits, in rows
+        w = torch.randn(37, 576, generator=g).to(half)
+        w[0, :4] = torch.tensor([6e-8, -3e-7, 1e-5, 0.0]).to(half)  # float16's subnormals (bfloat16: normal ones)
+        x = torch.randn(9, 576, generator=g)
+        for rows in (1, 2, 5, 9):
+            assert torch.equal(kernels.linear(x[:rows], w), kernels.linear(x[:rows], w.float()))
 
 
 @needs_kernel

@@ -38,21 +38,23 @@ static inline vec vsilu(vec g) {  /* g / (1 + exp(-g)), exp over the whole float
 }
 #endif
 
-/* one of the layer's linears on its weights' type: float32, or bfloat16 widened on load (wbf16) */
+/* one of the layer's linears on its weights' type (wtype): float32 0, bfloat16 1 or float16 2 (rows only), the
+   half-precision ones widened on load */
 #define LAYER_LINEAR(x, ldx, i, y, ldy, N, K)                                                                       \
     (wpanels == 2 ? linear_dot(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K, pr) :                          \
-    wpanels ? (wbf16 ? linear_panels_BF16(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K)                    \
+    wpanels ? (wtype ? linear_panels_BF16(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K)                    \
                       : linear_panels_F32(x, ldx, (const float *)w[i], b[i], y, ldy, M, N, K))                      \
-             : (wbf16 ? linear_BF16(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K)                          \
+             : (wtype == 2 ? linear_F16(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K) :                    \
+                wtype ? linear_BF16(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K)                          \
                       : linear_F32(x, ldx, (const float *)w[i], b[i], y, ldy, M, N, K)))
 
 void decoder_layer_f32(float *x, int64_t M, int64_t H, const float *ln1, const float *ln2, float eps,
                        const void *const *w, const float *const *b, int64_t I, int64_t NH, int64_t KVH, int64_t D,
                        const float *cos, const float *sin, float *kbuf, float *vbuf, int64_t kv_sh, int64_t kv_sl,
                        int64_t past, float scale, const int64_t *n1, const int64_t *s2, const int64_t *n2,
-                       float *scratch, int wbf16, int wpanels) {
+                       float *scratch, int wtype, int wpanels) {
     /* w: q, k, v, o, gate, up, down (N x K row-major, or as panels: wpanels 1, or bfloat16 panels on the dot product
-       with the inputs rounded to bfloat16: wpanels 2; all float32 or all bfloat16: wbf16);
+       with the inputs rounded to bfloat16: wpanels 2; all float32, all bfloat16 or all float16: wtype);
        b: float32 biases or NULL. The activations, the cache and every sum are float32 either way. */
     int64_t QD = NH * D, KD = KVH * D, L = past + M;
     float *n = scratch, *q = n + M * H, *k = q + M * QD, *v = k + M * KD, *att = v + M * KD, *g = att + M * QD;
@@ -99,7 +101,7 @@ typedef struct {
     float *kbuf, *vbuf;
     int64_t I, NH, KVH, D, kv_sh, kv_sl;
     float eps, scale;
-    int32_t wbf16, wpanels;
+    int32_t wtype, wpanels;
 } stack_layer;
 
 /* n consecutive decoder layers over the same M rows, one after the other in place on x: each exactly its own
@@ -111,6 +113,6 @@ void decoder_stack_f32(float *x, int64_t M, int64_t H, int64_t n, const stack_la
     for (int64_t l = 0; l < n; l++) {
         const stack_layer *a = layers + l;
         decoder_layer_f32(x, M, H, a->ln1, a->ln2, a->eps, a->w, a->b, a->I, a->NH, a->KVH, a->D, cos, sin, a->kbuf,
-                          a->vbuf, a->kv_sh, a->kv_sl, past, a->scale, n1, s2, n2, scratch, a->wbf16, a->wpanels);
+                          a->vbuf, a->kv_sh, a->kv_sl, past, a->scale, n1, s2, n2, scratch, a->wtype, a->wpanels);
     }
 }

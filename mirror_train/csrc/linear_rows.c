@@ -71,6 +71,7 @@ static void T##_##NAME##_##MB(const float *x, int64_t ldx, const WT *w, int64_t 
    output sums the same k-chunks in the same order in any block. */
 #define F32_WIDE_FROM_1 0
 #define BF16_WIDE_FROM_1 1
+#define F16_WIDE_FROM_1 1
 #define LINEAR(T, WT)                                                                                              \
 BLOCK(T, WT, wide, WIDE_NB, 1, 0) BLOCK(T, WT, wide, WIDE_NB, 2, 0)                                                \
 BLOCK(T, WT, wide, WIDE_NB, 3, 0) BLOCK(T, WT, wide, WIDE_NB, 4, 0)                                                \
@@ -108,3 +109,4 @@ void linear_##T(const float *x, int64_t ldx, const WT *w, const float *b, float 
 }
 LINEAR(F32, float)
 LINEAR(BF16, uint16_t)
+LINEAR(F16, uint16_t)

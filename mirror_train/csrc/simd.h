@@ -66,6 +66,34 @@ static inline float bf16_to_f32(uint16_t h) {
 #define BF16_LOAD(p) bf16_to_f32(*(p))
 #endif
 
+/* Weights in float16 (a float32 model of float16 values read from float16 copies: kernels.serve_narrow), widened
+   exactly: every float16 value is a float32 one (subnormals included), so the sums are the float32 weights' bits. */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    union { uint32_t u; float f; } c;
+    if (exp == 0x1f) {
+        c.u = sign | 0x7f800000u | (man << 13);  /* inf, nan */
+    } else if (exp) {
+        c.u = sign | ((exp + 112) << 23) | (man << 13);
+    } else {  /* zero, or a subnormal: man x 2^-24, exact in float32 */
+        c.f = (float)man * 5.9604644775390625e-8f;
+        c.u |= sign;
+    }
+    return c.f;
+}
+#define F16_SCALAR(p) f16_to_f32(*(p))
+#if LANES == 16
+#define F16_LOAD(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#elif LANES == 8 && defined(__F16C__)
+#define F16_LOAD(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#elif LANES == 8
+#define F16_LOAD(p)                                                                                                 \
+    _mm256_setr_ps(f16_to_f32((p)[0]), f16_to_f32((p)[1]), f16_to_f32((p)[2]), f16_to_f32((p)[3]),                  \
+                   f16_to_f32((p)[4]), f16_to_f32((p)[5]), f16_to_f32((p)[6]), f16_to_f32((p)[7]))
+#else
+#define F16_LOAD(p) f16_to_f32(*(p))
+#endif
+
 /* KEEP_X: the tall blocks hold each input chunk in a register for its NB FMAs. Left to itself, GCC 12 folds the
    load into every FMA (NB loads of the same chunk): at 3 x 8 that is 27 vector loads for 24 FMAs, and a Zen 4 core
    loads one 512-bit vector a cycle, so the block ran load-bound at ~70% of the FMA peak (81 of 117 GFLOP/s from
