@@ -284,10 +284,11 @@ def test_every_method_reproduces_the_targets_greedy_output(
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the kernels")
-@pytest.mark.parametrize("layout", kernels.LAYOUTS)
-def test_a_bf16_valued_target_read_from_bfloat16_copies_stays_lossless(prompts, layout, monkeypatch):
-    """A bfloat16 checkpoint served in float32 is read from bfloat16 copies of its weights (kernels.serve_narrow,
-    in either layout): every method still reproduces its greedy output, the prefill's GEMM reading the weights."""
+@pytest.mark.parametrize("layout,half", [("rows", torch.bfloat16), ("panels", torch.bfloat16), ("rows", torch.float16)])
+def test_a_half_valued_target_read_from_half_copies_stays_lossless(prompts, layout, half, monkeypatch):
+    """A bfloat16 (float16) checkpoint served in float32 is read from copies of its weights in that dtype
+    (kernels.serve_narrow, bfloat16 in either layout): every method still reproduces its greedy output, the
+    prefill's GEMM reading the weights."""
     from mirror_train import fastpath
 
     monkeypatch.setenv("MIRROR_TRAIN_KERNEL_LAYOUT", layout)
@@ -299,9 +300,9 @@ def test_a_bf16_valued_target_read_from_bfloat16_copies_stays_lossless(prompts, 
         target = Target(tiny_model("llama", layers=4, vocab=len(tok), seed=3), tok, "tiny")
         with torch.no_grad():
             for p in target.model.parameters():
-                p.copy_(p.bfloat16().float())
+                p.copy_(p.to(half).float())
         fastpath.install(target.model, "exact")
-        assert kernels.served(target.model.model.layers[1].mlp.down_proj)[layout == "panels"].dtype == torch.bfloat16
+        assert kernels.served(target.model.model.layers[1].mlp.down_proj)[layout == "panels"].dtype == half
         refs = [reference(target, p) for p in prompts]
         draft = MirrorDrafterForCausalLM.from_target(target, 2, 2, 1)
         cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local")
