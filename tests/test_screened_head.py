@@ -50,7 +50,7 @@ def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout
         pytest.skip("no AVX512-BF16 here")
     monkeypatch.setattr(kernels, "screen_dot", lambda: dot)
     monkeypatch.setattr(kernels, "layout", lambda dtype=None: layout)
-    monkeypatch.setattr(kernels, "narrow", lambda: True)
+    monkeypatch.setattr(kernels, "narrow", lambda dtype=None: True)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(1000, k, generator=g) * 0.05
     w[701] = w[31] * (1 + 2**-20)  # near-ties
