@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from mirror_train import kernels
+from mirror_train import fastpath
 from mirror_train.devices import cpu_model, pinned
 from mirror_train.engine import EngineConfig, MirrorEngine
 from mirror_train.eval.peers import greedy_generate
@@ -45,7 +45,8 @@ def run(args) -> dict:
         "cpu": cpu_model(),
         "torch": torch.__version__,
         "fast_path": engine.fast_path,
-        "kernel_layout": kernels.layout(),
+        "kernel_layout": fastpath.describe(target.model).get("layout"),
+        "weights_read": fastpath.describe(target.model).get("weights_read"),  # half-precision copies (serve_narrow)
         "records": records,
     }
     with torch.inference_mode():
