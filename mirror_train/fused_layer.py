@@ -272,11 +272,10 @@ class FusedLayer(nn.Module):
     def _weights(self) -> kernels.LayerWeights | None:
         """The C call's view of this layer's parameters (None: norms not float32, linears' weights not all float32
         or all bfloat16: a draft served with float32 activations on bfloat16 weights, fastpath.py, or linears read in
-        different dtypes: `kernels.layer_weights`), rebuilt when they
-        have moved or changed (a cast, a copy, a load: the first projection's storage and version tell; every
-        projection's where the call reads copies of them, panels or bfloat16 ones, which an in-place change of that
-        weight alone would leave stale). Held in the instance's __dict__: a module attribute lookup costs a
-        microsecond, and a step makes ~30 of these calls."""
+        different dtypes: `kernels.layer_weights`), rebuilt when they have moved or changed (a cast, a copy, a load:
+        the first projection's storage and version tell; every projection's where the call reads copies of them,
+        panels or half-precision ones, which an in-place change of that weight alone would leave stale). Held in the
+        instance's __dict__: a module attribute lookup costs a microsecond, and a step makes ~30 of these calls."""
         cached = self.__dict__.get("_fused_weights")
         if cached is not None and all(w.data_ptr() == p and w._version == v for w, p, v in cached[0]):
             return cached[1]
@@ -295,7 +294,8 @@ class FusedLayer(nn.Module):
             norms[0].detach(), norms[1].detach(), eps, linears, heads, kv_heads, attn.head_dim, scale, attn.layer_idx
         )
         # moved or changed in place (a load_state_dict): copies made again (kernels.served), the view rebuilt
-        copies = any(kernels.served(m)[0] is not m.weight or kernels.served(m)[1] is not None for m in linears)
+        served = [kernels.served(m) for m in linears]
+        copies = any(rows is not m.weight or panels is not None for m, (rows, panels) in zip(linears, served))
         watched = [m.weight for m in linears] if copies else [attn.q_proj.weight]
         self.__dict__["_fused_weights"] = ([(w, w.data_ptr(), w._version) for w in watched], lw)
         return lw

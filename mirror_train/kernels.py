@@ -99,7 +99,15 @@ def _library() -> ctypes.CDLL | None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     try:
         lib = ctypes.CDLL(str(path))
-        for fn in (lib.linear_F32, lib.linear_BF16, lib.linear_F16, lib.linear_panels_F32, lib.linear_panels_BF16):
+        # `linear`'s C function by (the dtype it reads, whether as panels): chosen by a lookup on every call
+        lib.linears = {
+            (torch.float32, False): lib.linear_F32,
+            (torch.bfloat16, False): lib.linear_BF16,
+            (torch.float16, False): lib.linear_F16,
+            (torch.float32, True): lib.linear_panels_F32,
+            (torch.bfloat16, True): lib.linear_panels_BF16,
+        }
+        for fn in lib.linears.values():
             fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
             fn.restype = None
         lib.kernel_lanes.restype = ctypes.c_int
@@ -134,9 +142,8 @@ def available() -> bool:
 
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
-# the dtypes the kernels read weights in: a model's own, or float16 copies of a float16-valued float32 model's
-# (rows only: serve_narrow); the C functions' suffixes and decoder_layer's weight type codes
-READ_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+# the dtypes the kernels read weights in (a model's own, or float16 copies of a float16-valued float32 model's, rows
+# only: serve_narrow), as decoder_layer's weight type codes
 READ_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -155,11 +162,8 @@ def linear(
     m, k = rows.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    lib = _library()
-    if panels is None:
-        kernel, w = getattr(lib, f"linear_{READ_NAMES[weight.dtype]}"), weight
-    else:  # panels in float32 or bfloat16
-        kernel, w = getattr(lib, f"linear_panels_{READ_NAMES[panels.dtype]}"), panels
+    w = weight if panels is None else panels  # panels in float32 or bfloat16
+    kernel = _library().linears[(w.dtype, panels is not None)]
     b = bias.data_ptr() if bias is not None else None
     kernel(rows.data_ptr(), k, w.data_ptr(), b, out.data_ptr(), n, m, n, k)
     out = out.view(*x.shape[:-1], n)
@@ -253,10 +257,14 @@ def panels_of(module: torch.nn.Module) -> torch.Tensor | None:
     if entry is None:
         return None
     panels, ptr, version, narrow = entry
-    w = module.weight
-    if w.data_ptr() != ptr or w._version != version:
+    if _moved(module.weight, ptr, version):
         panels = serve_panels(module, narrow=narrow)[0]
     return panels
+
+
+def _moved(weight: torch.Tensor, ptr: int, version: int) -> bool:
+    """Whether a weight has moved or changed in place since a copy of it was made at (ptr, version)."""
+    return weight.data_ptr() != ptr or weight._version != version
 
 
 def serve_panels(*modules: torch.nn.Module, narrow: bool = False) -> list[torch.Tensor]:
@@ -325,11 +333,10 @@ def served(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     if entry is None or panels is not None:
         return module.weight, panels
     copy, ptr, version = entry
-    w = module.weight
-    if w.data_ptr() != ptr or w._version != version:
+    if _moved(module.weight, ptr, version):
         serve_narrow(module, dtype=copy.dtype)
         entry = module.__dict__.get("_narrow")
-        return (w if entry is None else entry[0]), None
+        return (module.weight if entry is None else entry[0]), None
     return copy, None
 
 
@@ -531,7 +538,6 @@ def layer_weights(ln1, ln2, eps, linears, heads, kv_heads, head_dim, scale, laye
         if read is panels:
             return None
         read = [m.weight for m in linears]
-    dtypes = {read[0].dtype}
     weights = arr(*(t.data_ptr() for t in read))
     biases = [None if m.bias is None else m.bias.detach().float().contiguous() for m in linears]  # read as float32
     keep = (ln1, ln2, *read, *biases)

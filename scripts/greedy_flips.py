@@ -41,12 +41,13 @@ def run(args) -> dict:
     cfg = EngineConfig(fast_path=args.fast_path, target_core=args.core)
     engine = MirrorEngine(target, None, None, cfg)
     records = []
+    served = fastpath.describe(target.model)
     result = {
         "cpu": cpu_model(),
         "torch": torch.__version__,
         "fast_path": engine.fast_path,
-        "kernel_layout": fastpath.describe(target.model).get("layout"),
-        "weights_read": fastpath.describe(target.model).get("weights_read"),  # half-precision copies (serve_narrow)
+        "kernel_layout": served.get("layout"),
+        "weights_read": served.get("weights_read"),  # half-precision copies (kernels.serve_narrow)
         "records": records,
     }
     with torch.inference_mode():
