@@ -100,27 +100,6 @@ static void att_values_tail(const float *vh, int64_t kv_sl, const float *s, floa
     }
 }
 
-#if LANES == 16
-/* vsum of 16 vectors at once, each the same additions as vsum's in the same order (halves, quarters, then the
-   pairs of a quarter, then its two), transposed so that 16 sums take 15 additions: lane j of the result is a[j]'s */
-static inline vec vsum16(const vec *a) {
-    vec h[8], q[4], p[2];
-    for (int t = 0; t < 8; t++)  /* v[j] + v[j+8] */
-        h[t] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * t], a[2 * t + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(a[2 * t], a[2 * t + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int u = 0; u < 4; u++)  /* h[j] + h[j+4]: 128-bit lane k holds key 4u+k */
-        q[u] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * u], h[2 * u + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(h[2 * u], h[2 * u + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    for (int w = 0; w < 2; w++)  /* q0 + q2, q1 + q3 */
-        p[w] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * w], q[2 * w + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(q[2 * w], q[2 * w + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    /* q'0 + q'1: element 4k+m is key 4m+k, put back in key order */
-    vec r = _mm512_add_ps(_mm512_shuffle_ps(p[0], p[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_shuffle_ps(p[0], p[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
-}
-#endif
-
 #if LANES > 1
 /* rb rows of one head over their shared keys 0..J-1 (nv = D / LANES vectors a row): their scores and maxima, then,
    after the caller's exponentials, their outputs. Inlined with constant nv and rb so the sums live in registers. */
@@ -132,7 +111,7 @@ static inline __attribute__((always_inline)) void att_rows_scores(int nv, int rb
         for (int c = 0; c < nv; c++) qv[r][c] = VLOAD(q[r] + c * LANES);
     int64_t l = 0;
 #if LANES == 16
-    /* 16 keys at a time: their 16 sums reduced together (`vsum16`, vsum's additions in vsum's order) */
+    /* 16 keys at a time: their 16 sums reduced together (`vsums`, vsum's additions in vsum's order) */
     vec vmx[RB_MAX];
     for (int r = 0; r < rb; r++) vmx[r] = VSET(-INFINITY);
     for (; l + 16 <= J; l += 16)
@@ -143,7 +122,7 @@ static inline __attribute__((always_inline)) void att_rows_scores(int nv, int rb
                 a[j] = VZERO();
                 for (int c = 0; c < nv; c++) a[j] = VFMA(qv[r][c], VLOAD(kl + c * LANES), a[j]);
             }
-            vec x = VMUL(vsum16(a), VSET(scale));
+            vec x = VMUL(vsums(a), VSET(scale));
             VSTORE(s[r] + l, x);
             vmx[r] = VMAX(vmx[r], x);
         }

@@ -20,20 +20,38 @@ static void T##_##NAME##_##MB(const float *x, int64_t ldx, const WT *w, int64_t 
             for (int i = 0; i < NB; i++) acc[i][j] = VFMA(wv[i], xv, acc[i][j]);                                   \
         }                                                                                                          \
     }                                                                                                              \
+    float sums[(NB * MB + LANES - 1) / LANES * LANES];                                                             \
+    if (NB * MB >= SUMS_FROM)                                                                                      \
+        for (int g = 0; g < NB * MB; g += LANES) {                                                                 \
+            vec t[LANES];                                                                                          \
+            for (int u = 0; u < LANES; u++)                                                                        \
+                t[u] = g + u < NB * MB ? acc[(g + u) / MB][(g + u) % MB] : VZERO();                                \
+            VSTORE(sums + g, vsums(t));                                                                            \
+        }                                                                                                          \
     for (int i = 0; i < NB; i++)                                                                                   \
         for (int j = 0; j < MB; j++) {                                                                             \
-            float s = vsum(acc[i][j]);                                                                             \
+            float s = NB * MB >= SUMS_FROM ? sums[i * MB + j] : vsum(acc[i][j]);                                   \
             for (int64_t t = k; t < K; t++) s = fmaf(x[j * ldx + t], T##_SCALAR(w + i * K + t), s);                \
             if (b) s += b[i];                                                                                      \
             y[j * ldy + i] = s;                                                                                    \
         }                                                                                                          \
 }
 
+/* A block of at least SUMS_FROM sums reduces them LANES at a time (`vsums`: vsum's additions, transposed); fewer
+   reduce one by one. */
+#ifndef SUMS_FROM
+#define SUMS_FROM (LANES / 2)
+#endif
+
 /* y (M x N, row stride ldy) = x (M x K, row stride ldx) . w^T, w (N x K) contiguous; b (N, float32) or NULL.
    Blocks by the rows of the call: 1-2 rows one weight row a block (it streams fastest); from WIDE_FROM rows
    WIDE_NB weight rows x up to WIDE_MB input rows, the weights streamed from memory once for them; from TALL_FROM
    rows TALL_NB weight rows x up to TALL_MB input rows (each weight chunk loaded once for TALL_MB rows) where the
-   input rows stay in L1 (K <= TALL_K; at K = 1536 they do not, and 3 x 8 ran 20% slower than 4 x 4 passes).
+   input rows stay in L1 (K <= TALL_K; at K = 1536 they do not, and 3 x 8 ran 20% slower than 4 x 4 passes while
+   each sum was reduced on its own), or, with AVX-512, where the rows fill whole tall blocks (TALL_LONG: since the
+   sums are reduced LANES at a time, `vsums`, one 3 x 8 pass over K = 1536 took ~0.79x the time of two 4 x 4 passes
+   at 8 rows, but 3 x 6 and 3 x 7 ran 1.1-1.3x slower than 4 x 4 and 4 x 2-3; Zen 4, docs/engine.md thirty-fifth
+   session).
    The shapes are by vector width (-D overrides them, to measure others):
    - AVX-512 (32 registers): 4 x 4 and 3 x 8 (24 sums in registers: 8 rows 15-30% faster than two 4 x 4 passes,
      Zen 5, docs/engine.md sixteenth session);
@@ -57,6 +75,9 @@ static void T##_##NAME##_##MB(const float *x, int64_t ldx, const WT *w, int64_t 
 #endif
 #ifndef TALL_FROM
 #define TALL_FROM 5
+#endif
+#ifndef TALL_LONG
+#define TALL_LONG (LANES == 16)
 #endif
 #ifndef TALL_KEEP
 #define TALL_KEEP 1
@@ -89,7 +110,8 @@ static const T##_block_fn T##_NARROW[5] = {0, T##_narrow_1, T##_narrow_2, T##_na
 void linear_##T(const float *x, int64_t ldx, const WT *w, const float *b, float *y, int64_t ldy, int64_t M,         \
                 int64_t N, int64_t K) {                                                                            \
     int64_t n = 0;                                                                                                 \
-    for (; M >= TALL_FROM && K <= TALL_K && n + TALL_NB <= N; n += TALL_NB)                                        \
+    for (; M >= TALL_FROM && (K <= TALL_K || (TALL_LONG && M % TALL_MB == 0)) && n + TALL_NB <= N;                 \
+           n += TALL_NB)                                                                                           \
         for (int64_t m = 0; m < M; m += TALL_MB) {                                                                 \
             int64_t mb = M - m < TALL_MB ? M - m : TALL_MB;                                                        \
             T##_TALL[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy,                      \
