@@ -25,7 +25,7 @@ static void NAME(const uint32_t *x, int64_t K2, const uint16_t *p, int64_t cs, f
         __m512i w[C];                                                                                              \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             w[c] = _mm512_loadu_si512((const void *)(p + c * cs));                                                 \
-            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, 0);               \
+            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);   \
         }                                                                                                          \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                      \
             __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[r * K2 + j]);                                         \

@@ -34,11 +34,17 @@
 #define VBCAST(p) (*(p))
 #endif
 #define PANEL_CHUNK 24 /* panels a pass over the rows: divisible by every PC, so each row group covers it whole */
-/* Tiles of PANEL_PF_FROM rows and more prefetch each panel PANEL_PF bytes ahead (non-temporal: read once); left to
+/* Tiles of PANEL_PF_FROM rows and more prefetch each panel PANEL_PF bytes ahead into L2 (PANEL_PF_HINT); left to
    the hardware prefetcher they waited on memory. The distance reaches a few panels ahead (a panel is 9-18 KB at
    K = 576), into the tiles that come next: on Zen 3 64 KB against the 4 KB first tried took float32's 3-6 rows 0.82-
    0.88x the time and bfloat16's 2-5 rows 0.74-0.79x, 8 rows ~0.97x (docs/engine.md, twenty-eighth session). One
-   row, which streams eight panels at once, ran slower with it. No change to the arithmetic. */
+   row, which streams eight panels at once, ran slower with it. Into L2 (prefetcht1) rather than non-temporal
+   (prefetchnta, as first written): on Zen 4 float32 panels' 2, 4 and 8 rows took 0.83-0.85x the time, bfloat16's
+   2 and 4 rows 0.72-0.86x (8 rows, compute-bound, the same), the LM head's 8-row screen 0.6-0.7x (docs/engine.md,
+   thirty-fifth session; Zen 3 unmeasured). No change to the arithmetic. */
+#ifndef PANEL_PF_HINT
+#define PANEL_PF_HINT 2
+#endif
 #ifndef PANEL_PF
 #define PANEL_PF 65536
 #endif
@@ -124,7 +130,7 @@ static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, cons
         vec lo[C], hi[C];                                                                                          \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             BF16_PAIR(p + c * cs, lo[c], hi[c]);                                                                   \
-            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, 0);               \
+            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);   \
         }                                                                                                          \
         PTILE_FMA(R, C, lo, k);                                                                                    \
         PTILE_FMA(R, C, hi, k + 1);                                                                                \
@@ -138,7 +144,7 @@ static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, cons
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             vec lo, hi;                                                                                            \
             BF16_PAIR(p + c * cs, lo, hi);                                                                         \
-            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, 0);               \
+            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);   \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][c] = VFMA(lo, x0[r], acc[r][c]);            \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][c] = VFMA(hi, x1[r], acc[r][c]);            \
         }                                                                                                          \
@@ -166,7 +172,7 @@ static void NAME(const float *x, int64_t ldx, const float *p, int64_t K, const f
         vec w[C];                                                                                                  \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             w[c] = F32_LOAD(p + c * cs);                                                                           \
-            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, 0);               \
+            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);   \
         }                                                                                                          \
         PTILE_FMA(R, C, w, k);                                                                                     \
     }                                                                                                              \
