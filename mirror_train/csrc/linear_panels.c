@@ -39,7 +39,7 @@
    K = 576), into the tiles that come next: on Zen 3 64 KB against the 4 KB first tried took float32's 3-6 rows 0.82-
    0.88x the time and bfloat16's 2-5 rows 0.74-0.79x, 8 rows ~0.97x (docs/engine.md, twenty-eighth session). One
    row, which streams eight panels at once, ran slower with it. Into L2 (prefetcht1) rather than non-temporal
-   (prefetchnta, as first written): on Zen 4 float32 panels' 2, 4 and 8 rows took 0.83-0.85x the time, bfloat16's
+   (prefetchnta, as first written): on Zen 4 float32 panels' 2, 4 and 8 rows took 0.82-0.86x the time, bfloat16's
    2 and 4 rows 0.72-0.86x (8 rows, compute-bound, the same), the LM head's 8-row screen 0.6-0.7x (docs/engine.md,
    thirty-fifth session; Zen 3 unmeasured). No change to the arithmetic. */
 #ifndef PANEL_PF_HINT
