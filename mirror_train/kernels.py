@@ -47,7 +47,7 @@ import torch
 from mirror_train import alignment
 from mirror_train.devices import cpuinfo
 
-RB_MAX = 4  # the attention kernel's rows a group (its source's RB_MAX): its scratch holds their scores
+RB_MAX = 6  # the attention kernel's rows a group (its source's RB_MAX, checked on load): its scratch holds their scores
 MAX_ROWS = 64  # more rows (a prompt's prefill) are a large GEMM, where torch's own path is the fast one
 
 SOURCE_DIR = Path(__file__).parent / "csrc"  # the C source: kernels.c, the one translation unit, and its parts
@@ -111,6 +111,8 @@ def _library() -> ctypes.CDLL | None:
             fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
             fn.restype = None
         lib.kernel_lanes.restype = ctypes.c_int
+        if lib.attention_rows_max() != RB_MAX:  # the scratch sized here must hold the C source's group of rows
+            raise RuntimeError(f"kernels.RB_MAX {RB_MAX} != the attention source's {lib.attention_rows_max()}")
         lib.screen_dot.restype = ctypes.c_int
         # scores, M, n, lda, x, K, dot, constants, out
         lib.screen_select.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ptr, ptr]

@@ -252,7 +252,8 @@ def _attention_reference(q, k, v, scale):
 
 def _check_attention():
     g = torch.Generator().manual_seed(0)
-    # head sizes of 2, 4 and 8 vectors (the grouped path: rows in fours, keys in sixteens) and others (the plain one)
+    # head sizes of 2, 4 and 8 vectors (the grouped path: rows in sixes, two rows a block of 8 keys, an odd row a block
+    # of 16) and others (the plain one)
     cases = ((9, 3, 64, 40), (4, 4, 20, 9), (2, 1, 7, 3), (4, 2, 128, 37), (2, 2, 32, 70))
     for heads, kv_heads, dim, length in cases:
         q = torch.randn(1, heads, 9, dim, generator=g)

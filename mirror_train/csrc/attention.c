@@ -60,8 +60,9 @@ static inline float dot(const float *a, const float *b, int64_t D) {
    once for all of them, and their sums stay in registers, instead of re-reading K and V from the cache once a row
    and storing the partial output every key (measured 4-7x slower a row at 800-1600 keys, docs/engine.md). Every
    row still does exactly its own arithmetic in its own order, so grouping changes no bit. */
-#define RB_MAX 4
+#define RB_MAX 6
 #define NV_MAX 16
+int attention_rows_max(void) { return RB_MAX; }
 
 /* One row's keys from `from` to `seen` (and its first run's before it when from = 0), its exponentials, its output:
    the general path (a head size that is not a multiple of the vector width, the rows' own keys past a group's). */
@@ -101,6 +102,25 @@ static void att_values_tail(const float *vh, int64_t kv_sl, const float *s, floa
 }
 
 #if LANES > 1
+/* Rows r0..r1-1's scores over keys `from`..J-1 a key at a time (each key loaded once for all of them; vsum a sum):
+   what the blocks below leave over. */
+static inline __attribute__((always_inline)) void att_keys_scores(int nv, int r0, int r1, vec (*qv)[NV_MAX],
+                                                                  const float *kh, int64_t kv_sl, float *const *s,
+                                                                  int64_t from, int64_t J, float scale, float *mx) {
+    for (int64_t l = from; l < J; l++) {
+        const float *kl = kh + l * kv_sl;
+        vec kv[NV_MAX];
+        for (int c = 0; c < nv; c++) kv[c] = VLOAD(kl + c * LANES);
+        for (int r = r0; r < r1; r++) {
+            vec acc = VZERO();
+            for (int c = 0; c < nv; c++) acc = VFMA(qv[r][c], kv[c], acc);
+            float x = vsum(acc) * scale;
+            s[r][l] = x;
+            mx[r] = x > mx[r] ? x : mx[r];
+        }
+    }
+}
+
 /* rb rows of one head over their shared keys 0..J-1 (nv = D / LANES vectors a row): their scores and maxima, then,
    after the caller's exponentials, their outputs. Inlined with constant nv and rb so the sums live in registers. */
 static inline __attribute__((always_inline)) void att_rows_scores(int nv, int rb, const float *const *q,
@@ -109,13 +129,39 @@ static inline __attribute__((always_inline)) void att_rows_scores(int nv, int rb
     vec qv[RB_MAX][NV_MAX];
     for (int r = 0; r < rb; r++)
         for (int c = 0; c < nv; c++) qv[r][c] = VLOAD(q[r] + c * LANES);
-    int64_t l = 0;
 #if LANES == 16
-    /* 16 keys at a time: their 16 sums reduced together (`vsums`, vsum's additions in vsum's order) */
-    vec vmx[RB_MAX];
-    for (int r = 0; r < rb; r++) vmx[r] = VSET(-INFINITY);
-    for (; l + 16 <= J; l += 16)
-        for (int r = 0; r < rb; r++) {
+    /* Sums reduced 16 at a time (`vsums`: vsum's additions in vsum's order). Rows two at a time over blocks of 8 keys
+       (lanes 0-7 of a block's result the first row's 8 scores, 8-15 the second's), so that each key vector is loaded
+       once for both rows: the scores took 1.5x as long one row at a time over blocks of 16 keys, a load an FMA
+       (docs/engine.md, thirty-sixth session). An odd last row goes alone over blocks of 16. */
+    int64_t J8 = J - J % 8, J16 = J - J % 16;
+    for (int r = 0; r + 1 < rb; r += 2) {
+        vec vmx = VSET(-INFINITY);
+        for (int64_t l = 0; l < J8; l += 8) {
+            vec a[16];
+            for (int j = 0; j < 8; j++) {
+                const float *kl = kh + (l + j) * kv_sl;
+                a[j] = VZERO();
+                a[8 + j] = VZERO();
+                for (int c = 0; c < nv; c++) {
+                    vec k = VLOAD(kl + c * LANES);
+                    a[j] = VFMA(qv[r][c], k, a[j]);
+                    a[8 + j] = VFMA(qv[r + 1][c], k, a[8 + j]);
+                }
+            }
+            vec x = VMUL(vsums(a), VSET(scale));
+            _mm256_storeu_ps(s[r] + l, _mm512_castps512_ps256(x));
+            _mm256_storeu_ps(s[r + 1] + l, _mm512_extractf32x8_ps(x, 1));
+            vmx = VMAX(vmx, x);
+        }
+        float m0 = _mm512_mask_reduce_max_ps(0x00FF, vmx), m1 = _mm512_mask_reduce_max_ps(0xFF00, vmx);
+        mx[r] = m0 > mx[r] ? m0 : mx[r];
+        mx[r + 1] = m1 > mx[r + 1] ? m1 : mx[r + 1];
+    }
+    if (rb % 2) {
+        int r = rb - 1;
+        vec vmx = VSET(-INFINITY);
+        for (int64_t l = 0; l < J16; l += 16) {
             vec a[16];
             for (int j = 0; j < 16; j++) {
                 const float *kl = kh + (l + j) * kv_sl;
@@ -124,25 +170,16 @@ static inline __attribute__((always_inline)) void att_rows_scores(int nv, int rb
             }
             vec x = VMUL(vsums(a), VSET(scale));
             VSTORE(s[r] + l, x);
-            vmx[r] = VMAX(vmx[r], x);
+            vmx = VMAX(vmx, x);
         }
-    for (int r = 0; r < rb; r++) {
-        float m = _mm512_reduce_max_ps(vmx[r]);
+        float m = _mm512_reduce_max_ps(vmx);
         mx[r] = m > mx[r] ? m : mx[r];
+        att_keys_scores(nv, r, rb, qv, kh, kv_sl, s, J16, J, scale, mx);
     }
+    att_keys_scores(nv, 0, rb - rb % 2, qv, kh, kv_sl, s, J8, J, scale, mx);
+#else
+    att_keys_scores(nv, 0, rb, qv, kh, kv_sl, s, 0, J, scale, mx);
 #endif
-    for (; l < J; l++) {
-        const float *kl = kh + l * kv_sl;
-        vec kv[NV_MAX];
-        for (int c = 0; c < nv; c++) kv[c] = VLOAD(kl + c * LANES);
-        for (int r = 0; r < rb; r++) {
-            vec acc = VZERO();
-            for (int c = 0; c < nv; c++) acc = VFMA(qv[r][c], kv[c], acc);
-            float x = vsum(acc) * scale;
-            s[r][l] = x;
-            mx[r] = x > mx[r] ? x : mx[r];
-        }
-    }
 }
 
 static inline __attribute__((always_inline)) void att_rows_values(int nv, int rb, const float *vh, int64_t kv_sl,
@@ -171,12 +208,17 @@ static void att_values_##NV##_##RB(const float *vh, int64_t kv_sl, const float *
                                    int64_t J) {                                                                    \
     att_rows_values(NV, RB, vh, kv_sl, s, o, J);                                                                   \
 }
-#define ATT_NV(NV) ATT_INSTANCE(NV, 1) ATT_INSTANCE(NV, 2) ATT_INSTANCE(NV, 3) ATT_INSTANCE(NV, 4)
+#define ATT_NV(NV)                                                                                                  \
+    ATT_INSTANCE(NV, 1) ATT_INSTANCE(NV, 2) ATT_INSTANCE(NV, 3) ATT_INSTANCE(NV, 4) ATT_INSTANCE(NV, 5) ATT_INSTANCE(NV, 6)
 ATT_NV(2) ATT_NV(4) ATT_NV(8) ATT_NV(16)
 typedef void (*att_scores_fn)(const float *const *, const float *, int64_t, float *const *, int64_t, float, float *);
 typedef void (*att_values_fn)(const float *, int64_t, const float *const *, float *const *, int64_t);
-#define ATT_ROW(NV) {0, att_scores_##NV##_1, att_scores_##NV##_2, att_scores_##NV##_3, att_scores_##NV##_4}
-#define ATT_VROW(NV) {0, att_values_##NV##_1, att_values_##NV##_2, att_values_##NV##_3, att_values_##NV##_4}
+#define ATT_ROW(NV) \
+    {0, att_scores_##NV##_1, att_scores_##NV##_2, att_scores_##NV##_3, att_scores_##NV##_4, att_scores_##NV##_5, \
+     att_scores_##NV##_6}
+#define ATT_VROW(NV) \
+    {0, att_values_##NV##_1, att_values_##NV##_2, att_values_##NV##_3, att_values_##NV##_4, att_values_##NV##_5, \
+     att_values_##NV##_6}
 static const att_scores_fn ATT_SCORES[4][RB_MAX + 1] = {ATT_ROW(2), ATT_ROW(4), ATT_ROW(8), ATT_ROW(16)};
 static const att_values_fn ATT_VALUES[4][RB_MAX + 1] = {ATT_VROW(2), ATT_VROW(4), ATT_VROW(8), ATT_VROW(16)};
 #endif
