@@ -1,9 +1,9 @@
 /* NB weight rows x MB input rows: every output accumulates over the same k-chunks in the same order, so its value
-   does not depend on NB, MB or how many rows the call has. pf: prefetch the next block's weight rows into L2.
-   KEEP: hold each input chunk in a register (KEEP_X). */
+   does not depend on NB, MB or how many rows the call has. pf: prefetch the weights pf elements ahead into L2 (0:
+   none). KEEP: hold each input chunk in a register (KEEP_X). */
 #define BLOCK(T, WT, NAME, NB, MB, KEEP)                                                                           \
 static void T##_##NAME##_##MB(const float *x, int64_t ldx, const WT *w, int64_t K, const float *b, float *y,        \
-                              int64_t ldy, int pf) {                                                               \
+                              int64_t ldy, int64_t pf) {                                                           \
     vec acc[NB][MB];                                                                                               \
     for (int i = 0; i < NB; i++)                                                                                   \
         for (int j = 0; j < MB; j++) acc[i][j] = VZERO();                                                          \
@@ -12,7 +12,7 @@ static void T##_##NAME##_##MB(const float *x, int64_t ldx, const WT *w, int64_t 
         vec wv[NB];                                                                                                \
         for (int i = 0; i < NB; i++) {                                                                             \
             wv[i] = T##_LOAD(w + i * K + k);                                                                       \
-            if (pf) __builtin_prefetch(w + (i + NB) * K + k, 0, 2);                                                \
+            if (pf) __builtin_prefetch(w + i * K + k + pf, 0, 2);                                                  \
         }                                                                                                          \
         for (int j = 0; j < MB; j++) {                                                                             \
             vec xv = VLOAD(x + j * ldx + k);                                                                       \
@@ -90,6 +90,21 @@ static void T##_##NAME##_##MB(const float *x, int64_t ldx, const WT *w, int64_t 
    four chains kept up (Zen 4, three alternating rounds: 1-2 rows 5-30% faster on the draft's 1536x576 and
    8192x576 shapes, 576x1536 at one row ~6% slower; docs/engine.md, twentieth session). No bit changes: each
    output sums the same k-chunks in the same order in any block. */
+/* The outputs left to one weight row a block (all of a 1-2-row call's) go in one loop over those rows, the weights
+   prefetched NARROW_PF bytes ahead: with a call an output (~150 K calls a one-token step of the testbed) the
+   one-row step's linears ran at the memory's rate in one build of this source and ~8% slower in the next, from
+   where the compiler happened to place the code (Zen 4, docs/engine.md thirty-sixth session); the loop and the
+   prefetch keep enough of the stream in flight whatever the placement. ~The bytes the memory delivers in its
+   latency: 8 KB ahead ran 1.35x slower there. */
+#ifndef NARROW_PF
+#define NARROW_PF 2048
+#endif
+#define NARROW_RUN(T, WT, MB)                                                                                      \
+static void T##_narrow_run_##MB(const float *x, int64_t ldx, const WT *w, int64_t K, const float *b, float *y,     \
+                                int64_t ldy, int64_t N) {                                                          \
+    for (int64_t n = 0; n < N; n++)                                                                                \
+        T##_narrow_##MB(x, ldx, w + n * K, K, b ? b + n : 0, y + n, ldy, NARROW_PF / (int64_t)sizeof(WT));        \
+}
 #define F32_WIDE_FROM_1 0
 #define BF16_WIDE_FROM_1 1
 #define F16_WIDE_FROM_1 1
@@ -102,7 +117,12 @@ BLOCK(T, WT, tall, TALL_NB, 5, TALL_KEEP) BLOCK(T, WT, tall, TALL_NB, 6, TALL_KE
 BLOCK(T, WT, tall, TALL_NB, 7, TALL_KEEP) BLOCK(T, WT, tall, TALL_NB, 8, TALL_KEEP)                                \
 BLOCK(T, WT, narrow, 1, 1, 0) BLOCK(T, WT, narrow, 1, 2, 0)                                                      \
 BLOCK(T, WT, narrow, 1, 3, 0) BLOCK(T, WT, narrow, 1, 4, 0)                                                      \
-typedef void (*T##_block_fn)(const float *, int64_t, const WT *, int64_t, const float *, float *, int64_t, int);    \
+typedef void (*T##_block_fn)(const float *, int64_t, const WT *, int64_t, const float *, float *, int64_t,         \
+                             int64_t);                                                                             \
+NARROW_RUN(T, WT, 1) NARROW_RUN(T, WT, 2) NARROW_RUN(T, WT, 3) NARROW_RUN(T, WT, 4)                               \
+static void (*const T##_NARROW_RUN[5])(const float *, int64_t, const WT *, int64_t, const float *, float *,        \
+                                       int64_t, int64_t) = {0, T##_narrow_run_1, T##_narrow_run_2,                 \
+                                                            T##_narrow_run_3, T##_narrow_run_4};                   \
 static const T##_block_fn T##_WIDE[5] = {0, T##_wide_1, T##_wide_2, T##_wide_3, T##_wide_4};                       \
 static const T##_block_fn T##_TALL[9] = {0, T##_tall_1, T##_tall_2, T##_tall_3, T##_tall_4,                       \
                                          T##_tall_5, T##_tall_6, T##_tall_7, T##_tall_8};                         \
@@ -115,18 +135,18 @@ void linear_##T(const float *x, int64_t ldx, const WT *w, const float *b, float 
         for (int64_t m = 0; m < M; m += TALL_MB) {                                                                 \
             int64_t mb = M - m < TALL_MB ? M - m : TALL_MB;                                                        \
             T##_TALL[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy,                      \
-                         n + 2 * TALL_NB <= N);                                                                    \
+                         n + 2 * TALL_NB <= N ? TALL_NB * K : 0);                                                  \
         }                                                                                                          \
     for (; (M >= WIDE_FROM || T##_WIDE_FROM_1) && n + WIDE_NB <= N; n += WIDE_NB)                                  \
         for (int64_t m = 0; m < M; m += WIDE_MB) {                                                                 \
             int64_t mb = M - m < WIDE_MB ? M - m : WIDE_MB;                                                        \
             T##_WIDE[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy,                      \
-                         m == 0 && n + 2 * WIDE_NB <= N);                                                          \
+                         m == 0 && n + 2 * WIDE_NB <= N ? WIDE_NB * K : 0);                                        \
         }                                                                                                          \
-    for (; n < N; n++)                                                                                             \
+    if (n < N)                                                                                                     \
         for (int64_t m = 0; m < M; m += 4) {                                                                       \
             int64_t mb = M - m < 4 ? M - m : 4;                                                                    \
-            T##_NARROW[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy, 0);                \
+            T##_NARROW_RUN[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy, N - n);        \
         }                                                                                                          \
 }
 LINEAR(F32, float)
