@@ -1,7 +1,7 @@
 """The target's step against the hardware: read bandwidth, the floor it sets, and step times by window width on
 the default and the fast forward path (mirror_train/fastpath.py), one thread, as the engine's target runs.
 
-    python scripts/bench_target.py [--draft DIR] [--context 300] [--values bfloat16] [--json]
+    python scripts/bench_target.py [--draft DIR] [--context 300] [--values bfloat16] [--baseline REV] [--json]
 
 - bandwidth: a `torch` sum over a 1 GB float32 tensor, one thread (GB/s), on 4 KiB pages and on huge pages (where
   the served weights live, alignment.py); floor: the target's weight bytes at the faster of the two (a one-token
@@ -24,7 +24,11 @@ the default and the fast forward path (mirror_train/fastpath.py), one thread, as
 - with --values bfloat16 (float16) every weight is first rounded to a bfloat16 (float16) value, kept in float32
   (what a half-precision checkpoint served in float32 is): `weights_read` says whether the fast path reads
   half-precision copies of them (the same bits from half the bytes, kernels.serve_narrow), while the floor still
-  counts the float32 weights.
+  counts the float32 weights;
+- with --baseline REV, baseline_step_ms: the fast path's step on the kernels (the C source) of git revision REV, on
+  a copy of its own, timed in turn with every other path in the same rounds (the host's drift, ±10% from minute to
+  minute on a shared VM, falls on both alike, which separate runs of two checkouts cannot promise); the Python is
+  this checkout's, so REV's C functions must take the same arguments.
 Prints a Markdown table, or one JSON object with --json.
 """
 
@@ -34,8 +38,9 @@ import argparse
 import json
 
 import torch
+from bench_attention import baseline_module
 
-from mirror_train import alignment, fastpath
+from mirror_train import alignment, fastpath, kernels
 from mirror_train.devices import cpu_model
 from mirror_train.target import Target
 from mirror_train.timing import interleaved_median_ms, median_ms, torch_threads
@@ -75,10 +80,32 @@ def step_fns(target: Target, context: int, logits: bool = False) -> dict:
     return {w: (lambda w=w: step(w)) for w in WIDTHS}
 
 
-def step_times(targets: dict[str, Target], context: int, repeats: int) -> dict[str, dict[int, float]]:
+def on_library(library, fn):
+    """fn run with the kernels' calls going to `library` (every kernels function looks its library up per call)."""
+
+    def run() -> None:
+        own = kernels._library
+        kernels._library = lambda: library
+        try:
+            fn()
+        finally:
+            kernels._library = own
+
+    return run
+
+
+def step_times(
+    targets: dict[str, Target], context: int, repeats: int, libraries: dict | None = None
+) -> dict[str, dict[int, float]]:
     """Each path's step times, every (path, width) timed in turn round after round: measured one path after the
-    other, the path timed first read up to ~20% slow on a Zen 5 (sixteenth session), as widths did (timing.py)."""
-    fns = {(path, w): fn for path, target in targets.items() for w, fn in step_fns(target, context).items()}
+    other, the path timed first read up to ~20% slow on a Zen 5 (sixteenth session), as widths did (timing.py).
+    libraries: a path's kernel library where it is not this checkout's (--baseline)."""
+    libraries = libraries or {}
+    fns = {
+        (path, w): on_library(libraries[path], fn) if path in libraries else fn
+        for path, target in targets.items()
+        for w, fn in step_fns(target, context).items()
+    }
     fns |= {("logits", w): fn for w, fn in step_fns(targets["fast"], context, logits=True).items()}
     times = interleaved_median_ms(fns, repeats=repeats)
     return {path: {w: times[(path, w)] for w in WIDTHS} for path in [*targets, "logits"]}
@@ -123,6 +150,7 @@ def main() -> None:
         "served in float32 (the usual Hub model), which the fast path reads from half-precision copies where that "
         "measures faster here",
     )
+    ap.add_argument("--baseline", default=None, help="a git revision whose kernels to time beside this checkout's")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -144,11 +172,18 @@ def main() -> None:
     targets["fast"] = load()
     kind = fastpath.install(targets["fast"].model, "auto")
     served = fastpath.describe(targets["fast"].model)
+    libraries = {}
+    if args.baseline:
+        libraries["baseline"] = baseline_module(args.baseline)._library()
+        if libraries["baseline"] is None:
+            raise SystemExit(f"error: the kernels of {args.baseline} do not build here")
+        targets["baseline"] = load()
+        on_library(libraries["baseline"], lambda: fastpath.install(targets["baseline"].model, "auto"))()
     with torch_threads(1), torch.inference_mode():
         # the floor from the faster of the two: the hardware's rate, whichever pages reach it
         bandwidths = {pages: read_bandwidth_gbs(huge_pages=pages == "huge") for pages in ("4k", "huge")}
         bandwidth = max(bandwidths.values())
-        times = step_times(targets, args.context, args.repeats)
+        times = step_times(targets, args.context, args.repeats, libraries)
     default, fast, onednn = times["default"], times["fast"], times.get("onednn")
     result = {
         "cpu": cpu_model(),
@@ -177,6 +212,9 @@ def main() -> None:
     }
     if onednn is not None:
         result["onednn_step_ms"] = {w: round(t, 2) for w, t in onednn.items()}
+    if args.baseline:
+        result["baseline"] = args.baseline
+        result["baseline_step_ms"] = {w: round(t, 2) for w, t in times["baseline"].items()}
     if args.draft:
         with torch_threads(1):
             dtype = fastpath.draft_dtype(args.draft_dtype, "cpu")
@@ -198,6 +236,13 @@ def main() -> None:
         print(
             f"| {w} | {default[w]:.1f} | {dnn} | {fast[w]:.1f} | {floor:.2f} | {fast[w] / fast[1]:.2f} | {every:.1f} |"
         )
+    if args.baseline:
+        base = times["baseline"]
+        rev = args.baseline
+        print(f"\n| new tokens | fast ms | {rev} ms | fast / {rev} | {rev}: fast / one-token |")
+        print("|---|---|---|---|---|")
+        for w in WIDTHS:
+            print(f"| {w} | {fast[w]:.2f} | {base[w]:.2f} | {fast[w] / base[w]:.3f} | {base[w] / base[1]:.2f} |")
     c = result["compute"]
     print(
         f"compute: a row {c['row_mmacs']}M multiply-adds, measured {c['row_ms']} ms a row past the first "

@@ -1,9 +1,9 @@
 /* NB weight rows x MB input rows: every output accumulates over the same k-chunks in the same order, so its value
-   does not depend on NB, MB or how many rows the call has. pf: prefetch the weights pf elements ahead into L2 (0:
-   none). KEEP: hold each input chunk in a register (KEEP_X). */
-#define BLOCK(T, WT, NAME, NB, MB, KEEP)                                                                           \
+   does not depend on NB, MB or how many rows the call has. pf: prefetch into L2 the next block's weight rows, or
+   with AHEAD the weights AHEAD elements on. KEEP: hold each input chunk in a register (KEEP_X). */
+#define BLOCK(T, WT, NAME, NB, MB, KEEP, AHEAD)                                                                    \
 static void T##_##NAME##_##MB(const float *x, int64_t ldx, const WT *w, int64_t K, const float *b, float *y,        \
-                              int64_t ldy, int64_t pf) {                                                           \
+                              int64_t ldy, int pf) {                                                               \
     vec acc[NB][MB];                                                                                               \
     for (int i = 0; i < NB; i++)                                                                                   \
         for (int j = 0; j < MB; j++) acc[i][j] = VZERO();                                                          \
@@ -12,7 +12,7 @@ static void T##_##NAME##_##MB(const float *x, int64_t ldx, const WT *w, int64_t 
         vec wv[NB];                                                                                                \
         for (int i = 0; i < NB; i++) {                                                                             \
             wv[i] = T##_LOAD(w + i * K + k);                                                                       \
-            if (pf) __builtin_prefetch(w + i * K + k + pf, 0, 2);                                                  \
+            if (pf) __builtin_prefetch(AHEAD ? w + i * K + k + AHEAD : w + (i + NB) * K + k, 0, 2);                \
         }                                                                                                          \
         for (int j = 0; j < MB; j++) {                                                                             \
             vec xv = VLOAD(x + j * ldx + k);                                                                       \
@@ -99,26 +99,26 @@ static void T##_##NAME##_##MB(const float *x, int64_t ldx, const WT *w, int64_t 
 #ifndef NARROW_PF
 #define NARROW_PF 2048
 #endif
+#define NARROW_AHEAD(WT) (NARROW_PF / (int64_t)sizeof(WT))
 #define NARROW_RUN(T, WT, MB)                                                                                      \
 static void T##_narrow_run_##MB(const float *x, int64_t ldx, const WT *w, int64_t K, const float *b, float *y,     \
                                 int64_t ldy, int64_t N) {                                                          \
     for (int64_t n = 0; n < N; n++)                                                                                \
-        T##_narrow_##MB(x, ldx, w + n * K, K, b ? b + n : 0, y + n, ldy, NARROW_PF / (int64_t)sizeof(WT));        \
+        T##_narrow_##MB(x, ldx, w + n * K, K, b ? b + n : 0, y + n, ldy, NARROW_PF > 0);                          \
 }
 #define F32_WIDE_FROM_1 0
 #define BF16_WIDE_FROM_1 1
 #define F16_WIDE_FROM_1 1
 #define LINEAR(T, WT)                                                                                              \
-BLOCK(T, WT, wide, WIDE_NB, 1, 0) BLOCK(T, WT, wide, WIDE_NB, 2, 0)                                                \
-BLOCK(T, WT, wide, WIDE_NB, 3, 0) BLOCK(T, WT, wide, WIDE_NB, 4, 0)                                                \
-BLOCK(T, WT, tall, TALL_NB, 1, TALL_KEEP) BLOCK(T, WT, tall, TALL_NB, 2, TALL_KEEP)                                \
-BLOCK(T, WT, tall, TALL_NB, 3, TALL_KEEP) BLOCK(T, WT, tall, TALL_NB, 4, TALL_KEEP)                                \
-BLOCK(T, WT, tall, TALL_NB, 5, TALL_KEEP) BLOCK(T, WT, tall, TALL_NB, 6, TALL_KEEP)                                \
-BLOCK(T, WT, tall, TALL_NB, 7, TALL_KEEP) BLOCK(T, WT, tall, TALL_NB, 8, TALL_KEEP)                                \
-BLOCK(T, WT, narrow, 1, 1, 0) BLOCK(T, WT, narrow, 1, 2, 0)                                                      \
-BLOCK(T, WT, narrow, 1, 3, 0) BLOCK(T, WT, narrow, 1, 4, 0)                                                      \
-typedef void (*T##_block_fn)(const float *, int64_t, const WT *, int64_t, const float *, float *, int64_t,         \
-                             int64_t);                                                                             \
+BLOCK(T, WT, wide, WIDE_NB, 1, 0, 0) BLOCK(T, WT, wide, WIDE_NB, 2, 0, 0)                                          \
+BLOCK(T, WT, wide, WIDE_NB, 3, 0, 0) BLOCK(T, WT, wide, WIDE_NB, 4, 0, 0)                                          \
+BLOCK(T, WT, tall, TALL_NB, 1, TALL_KEEP, 0) BLOCK(T, WT, tall, TALL_NB, 2, TALL_KEEP, 0)                          \
+BLOCK(T, WT, tall, TALL_NB, 3, TALL_KEEP, 0) BLOCK(T, WT, tall, TALL_NB, 4, TALL_KEEP, 0)                          \
+BLOCK(T, WT, tall, TALL_NB, 5, TALL_KEEP, 0) BLOCK(T, WT, tall, TALL_NB, 6, TALL_KEEP, 0)                          \
+BLOCK(T, WT, tall, TALL_NB, 7, TALL_KEEP, 0) BLOCK(T, WT, tall, TALL_NB, 8, TALL_KEEP, 0)                          \
+BLOCK(T, WT, narrow, 1, 1, 0, NARROW_AHEAD(WT)) BLOCK(T, WT, narrow, 1, 2, 0, NARROW_AHEAD(WT))                    \
+BLOCK(T, WT, narrow, 1, 3, 0, NARROW_AHEAD(WT)) BLOCK(T, WT, narrow, 1, 4, 0, NARROW_AHEAD(WT))                    \
+typedef void (*T##_block_fn)(const float *, int64_t, const WT *, int64_t, const float *, float *, int64_t, int);    \
 NARROW_RUN(T, WT, 1) NARROW_RUN(T, WT, 2) NARROW_RUN(T, WT, 3) NARROW_RUN(T, WT, 4)                               \
 static void (*const T##_NARROW_RUN[5])(const float *, int64_t, const WT *, int64_t, const float *, float *,        \
                                        int64_t, int64_t) = {0, T##_narrow_run_1, T##_narrow_run_2,                 \
@@ -135,13 +135,13 @@ void linear_##T(const float *x, int64_t ldx, const WT *w, const float *b, float 
         for (int64_t m = 0; m < M; m += TALL_MB) {                                                                 \
             int64_t mb = M - m < TALL_MB ? M - m : TALL_MB;                                                        \
             T##_TALL[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy,                      \
-                         n + 2 * TALL_NB <= N ? TALL_NB * K : 0);                                                  \
+                         n + 2 * TALL_NB <= N);                                                                    \
         }                                                                                                          \
     for (; (M >= WIDE_FROM || T##_WIDE_FROM_1) && n + WIDE_NB <= N; n += WIDE_NB)                                  \
         for (int64_t m = 0; m < M; m += WIDE_MB) {                                                                 \
             int64_t mb = M - m < WIDE_MB ? M - m : WIDE_MB;                                                        \
             T##_WIDE[mb](x + m * ldx, ldx, w + n * K, K, b ? b + n : 0, y + m * ldy + n, ldy,                      \
-                         m == 0 && n + 2 * WIDE_NB <= N ? WIDE_NB * K : 0);                                        \
+                         m == 0 && n + 2 * WIDE_NB <= N);                                                          \
         }                                                                                                          \
     if (n < N)                                                                                                     \
         for (int64_t m = 0; m < M; m += 4) {                                                                       \
