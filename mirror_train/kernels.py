@@ -117,6 +117,9 @@ def _library() -> ctypes.CDLL | None:
         # scores, M, n, lda, x, K, dot, constants, out
         lib.screen_select.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ptr, ptr]
         lib.screen_select.restype = i64
+        # scores, M, n, lda, x, K, dot, constants, w, max candidates, ids
+        lib.screen_argmax_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ptr, ptr, i64, ptr]
+        lib.screen_argmax_f32.restype = i64
         # x, ldx, panels, bias, y, ldy, M, N, K, scratch
         lib.linear_dot.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
         lib.linear_dot.restype = None
@@ -227,6 +230,30 @@ def select(scores: torch.Tensor, x: torch.Tensor, n: int, dot: bool, constants: 
         out.data_ptr(),
     )
     return None if count < 0 else out[:count]
+
+
+def screen_argmax(
+    scores: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dot: bool, constants: torch.Tensor, most: int
+) -> list[int] | None:
+    """Each row's greedy id for a head served from its float32 rows `weight` (N, K): `select`'s candidates row by
+    row, each row's exact logits over its own (`linear`'s bits) and their first largest; None where a bound is not
+    finite or more than `most` logits would be computed."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    ids = torch.empty(rows.shape[0], dtype=torch.int64)
+    count = _library().screen_argmax_f32(
+        scores.data_ptr(),
+        scores.shape[0],
+        weight.shape[0],
+        scores.stride(0),
+        rows.data_ptr(),
+        rows.shape[1],
+        int(dot),
+        constants.data_ptr(),
+        weight.data_ptr(),
+        most,
+        ids.data_ptr(),
+    )
+    return None if count < 0 else ids.tolist()
 
 
 def lanes() -> int:

@@ -173,10 +173,13 @@ def screened_argmax(
     w = head.weight.detach()
     if scores is None:
         scores = screen_scores(screen, rows)
+    panels = kernels.panels_of(head)
+    if panels is None and w.dtype == torch.float32 and w.is_contiguous():  # served from its rows: row by row in C
+        return kernels.screen_argmax(scores, rows, w, screen.dot, screen.constants, MAX_CANDIDATES)
     candidates = kernels.select(scores, rows, w.shape[0], screen.dot, screen.constants)
     if candidates is None or candidates.numel() == 0 or candidates.numel() > MAX_CANDIDATES:
         return None
-    exact = kernels.linear_at(rows, w, candidates, kernels.panels_of(head))
+    exact = kernels.linear_at(rows, w, candidates, panels)
     return candidates[exact.argmax(dim=1)].tolist()
 
 

@@ -78,6 +78,20 @@ def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout
     assert checked > 100
 
 
+def test_the_screened_argmax_is_the_heads_on_the_avx2_and_scalar_builds(other_kernel_build, monkeypatch):
+    """The same check on the other builds' code paths (the rows' candidates scanned without AVX-512), exact ties
+    included."""
+    monkeypatch.setattr(kernels, "layout", lambda dtype=None: "rows")
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(500, 37, generator=g) * 0.05
+    w[400] = w[20]
+    head = served_head(w)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 37, generator=g)
+        x[0] = w[20] * 40
+        assert screened_head.screened_argmax(head, screened_head.screen_of(head), x) == head(x).argmax(-1).tolist()
+
+
 @needs_kernel
 def test_the_screen_follows_its_heads_weight_and_steps_aside_where_it_cannot_bound():
     """A weight changed in place: the screen is made again (old tokens would be wrong). Non-finite rows: the whole

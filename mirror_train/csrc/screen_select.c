@@ -24,10 +24,9 @@ static float screen_max(const float *a, int64_t n) {
    max over v of |w^_v - w_v| + g |w^_v|, max of |w_v|, g, what flushed subnormals add. With x^ the screen's x, a
    row's bound is e = |x^| c0 + (g |x| + |x^ - x|) c1 + c3 (norms in double), and v is a candidate iff
    a_v >= max_u a_u - 2e: the exact maximum is >= max a - e, and any v reaching it has a_v >= it - e. */
-int64_t screen_select(const float *a, int64_t M, int64_t n, int64_t lda, const float *x, int64_t K, int dot,
-                      const double *c, int64_t *out) {
-    double floors[64];
-    if (M > 64) return -1;
+/* Each row's floor (above): 0, or -1 where a bound is not finite. */
+static int screen_floors(const float *a, int64_t M, int64_t n, int64_t lda, const float *x, int64_t K, int dot,
+                         const double *c, double *floors) {
     for (int64_t r = 0; r < M; r++) {
         double nx = 0, nl = 0, nd = 0;
         for (int64_t k = 0; k < K; k++) {
@@ -38,15 +37,26 @@ int64_t screen_select(const float *a, int64_t M, int64_t n, int64_t lda, const f
         floors[r] = (double)screen_max(a + r * lda, n) - 2 * e;
         if (!isfinite(floors[r])) return -1;
     }
+    return 0;
+}
+
+/* A float32 threshold at or below the floor: never fewer candidates */
+static inline float screen_threshold(double floor) {
+    float t = (float)floor;
+    return (double)t > floor ? nextafterf(t, -INFINITY) : t;
+}
+
+int64_t screen_select(const float *a, int64_t M, int64_t n, int64_t lda, const float *x, int64_t K, int dot,
+                      const double *c, int64_t *out) {
+    double floors[64];
+    if (M > 64 || screen_floors(a, M, n, lda, x, K, dot, c, floors) < 0) return -1;
     int64_t count = 0, v = 0;
 #if LANES == 16
     for (; v + 16 <= n; v += 16) {
         __mmask16 hit = 0;
-        for (int64_t r = 0; r < M; r++) {  /* a float32 threshold at or below the floor: never fewer candidates */
-            float t = (float)floors[r];
-            if ((double)t > floors[r]) t = nextafterf(t, -INFINITY);
-            hit |= _mm512_cmp_ps_mask(_mm512_loadu_ps(a + r * lda + v), _mm512_set1_ps(t), _CMP_GE_OQ);
-        }
+        for (int64_t r = 0; r < M; r++)
+            hit |= _mm512_cmp_ps_mask(_mm512_loadu_ps(a + r * lda + v), _mm512_set1_ps(screen_threshold(floors[r])),
+                                      _CMP_GE_OQ);
         while (hit) {
             out[count++] = v + __builtin_ctz(hit);
             hit &= hit - 1;
@@ -59,5 +69,51 @@ int64_t screen_select(const float *a, int64_t M, int64_t n, int64_t lda, const f
                 out[count++] = v;
                 break;
             }
+    return count;
+}
+
+/* Each row's greedy token through the screen, for a head served from float32 rows w (N x K, n <= N outputs): the
+   first largest of the row's exact logits over its own candidates (screen_select's floor, row by row: the logits of
+   every row at the rows' union of candidates, from a gathered copy of their weights, had cost 8 rows ~0.4 ms), each
+   logit by the one-row linear's arithmetic (F32_narrow_1), which every call of linear_F32 gives that output
+   (row-exact): the served head's bits. A candidate's weight row is read once for the rows that have it. ids: M.
+   Returns the logits computed, or -1 where a bound is not finite, a logit is NaN or they would pass max_candidates
+   (the caller then takes another path). */
+int64_t screen_argmax_f32(const float *a, int64_t M, int64_t n, int64_t lda, const float *x, int64_t K, int dot,
+                          const double *c, const float *w, int64_t max_candidates, int64_t *ids) {
+    double floors[64];
+    float best[64];
+    if (M > 64 || screen_floors(a, M, n, lda, x, K, dot, c, floors) < 0) return -1;
+    for (int64_t r = 0; r < M; r++) ids[r] = -1, best[r] = -INFINITY;
+    int64_t count = 0;
+#define SCREEN_EXACT(v, r)                                                                   \
+    {                                                                                        \
+        float y;                                                                             \
+        if (++count > max_candidates) return -1;                                             \
+        F32_narrow_1(x + (r) * K, K, w + (v) * K, K, 0, &y, 1, 0);                           \
+        if (y != y) return -1;                                                               \
+        if (ids[r] < 0 || y > best[r]) best[r] = y, ids[r] = (v); /* v ascending: the first */ \
+    }
+    int64_t v = 0;
+#if LANES == 16
+    __m512 t[64];
+    for (int64_t r = 0; r < M; r++) t[r] = _mm512_set1_ps(screen_threshold(floors[r]));
+    for (; v + 16 <= n; v += 16) {
+        __mmask16 hit[64], any = 0;
+        for (int64_t r = 0; r < M; r++) any |= hit[r] = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + r * lda + v), t[r],
+                                                                            _CMP_GE_OQ);
+        for (; any; any &= any - 1) {
+            int j = __builtin_ctz(any);
+            for (int64_t r = 0; r < M; r++)
+                if (hit[r] >> j & 1) SCREEN_EXACT(v + j, r)
+        }
+    }
+#endif
+    for (; v < n; v++)
+        for (int64_t r = 0; r < M; r++)
+            if ((double)a[r * lda + v] >= floors[r]) SCREEN_EXACT(v, r)
+#undef SCREEN_EXACT
+    for (int64_t r = 0; r < M; r++)
+        if (ids[r] < 0) return -1;
     return count;
 }
