@@ -232,6 +232,11 @@ def select(scores: torch.Tensor, x: torch.Tensor, n: int, dot: bool, constants: 
     return None if count < 0 else out[:count]
 
 
+def has(function: str) -> bool:
+    """Whether the library has a C function (an older revision's, timed by `bench_target.py --baseline`, may not)."""
+    return hasattr(_library(), function)
+
+
 def screen_argmax(
     scores: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dot: bool, constants: torch.Tensor, most: int
 ) -> list[int] | None:

@@ -174,7 +174,8 @@ def screened_argmax(
     if scores is None:
         scores = screen_scores(screen, rows)
     panels = kernels.panels_of(head)
-    if panels is None and w.dtype == torch.float32 and w.is_contiguous():  # served from its rows: row by row in C
+    if panels is None and w.dtype == torch.float32 and w.is_contiguous() and kernels.has("screen_argmax_f32"):
+        # served from its rows: row by row in C
         return kernels.screen_argmax(scores, rows, w, screen.dot, screen.constants, MAX_CANDIDATES)
     candidates = kernels.select(scores, rows, w.shape[0], screen.dot, screen.constants)
     if candidates is None or candidates.numel() == 0 or candidates.numel() > MAX_CANDIDATES:
