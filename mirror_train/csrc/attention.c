@@ -19,6 +19,17 @@
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)))
 #endif
 #if LANES > 1
+/* x's lower half to lo, its upper half to hi */
+static inline void vstore_halves(float *lo, float *hi, vec x) {
+#if LANES == 16
+    _mm256_storeu_ps(lo, _mm512_castps512_ps256(x));
+    _mm256_storeu_ps(hi, _mm512_extractf32x8_ps(x, 1));
+#else
+    _mm_storeu_ps(lo, _mm256_castps256_ps128(x));
+    _mm_storeu_ps(hi, _mm256_extractf128_ps(x, 1));
+#endif
+}
+
 static inline vec vexp(vec x) {
     x = VMAX(x, VSET(-87.0f));
     vec n = VROUND(VMUL(x, VSET(1.44269504f)));
@@ -129,41 +140,44 @@ static inline __attribute__((always_inline)) void att_rows_scores(int nv, int rb
     vec qv[RB_MAX][NV_MAX];
     for (int r = 0; r < rb; r++)
         for (int c = 0; c < nv; c++) qv[r][c] = VLOAD(q[r] + c * LANES);
-#if LANES == 16
-    /* Sums reduced 16 at a time (`vsums`: vsum's additions in vsum's order). Rows two at a time over blocks of 8 keys
-       (lanes 0-7 of a block's result the first row's 8 scores, 8-15 the second's), so that each key vector is loaded
-       once for both rows: the scores took 1.5x as long one row at a time over blocks of 16 keys, a load an FMA
-       (docs/engine.md, thirty-sixth session). An odd last row goes alone over blocks of 16. */
-    int64_t J8 = J - J % 8, J16 = J - J % 16;
+    /* Sums reduced LANES at a time (`vsums`: vsum's additions in vsum's order). Rows two at a time over blocks of
+       LANES / 2 keys (lanes below LANES / 2 of a block's result the first row's scores, the rest the second's), so
+       that each key vector is loaded once for both rows: the scores took 1.5x as long one row at a time over blocks
+       of LANES keys, a load an FMA (AVX-512, Zen 4, docs/engine.md thirty-sixth session). An odd last row (every
+       row where the registers hold one row's query: AVX2's head size 64) goes alone over blocks of LANES keys. */
+    enum { HALF = LANES / 2 };
+    int64_t Jp = J - J % HALF, Js = J - J % LANES;
+    float m[LANES];
     for (int r = 0; r + 1 < rb; r += 2) {
         vec vmx = VSET(-INFINITY);
-        for (int64_t l = 0; l < J8; l += 8) {
-            vec a[16];
-            for (int j = 0; j < 8; j++) {
+        for (int64_t l = 0; l < Jp; l += HALF) {
+            vec a[LANES];
+            for (int j = 0; j < HALF; j++) {
                 const float *kl = kh + (l + j) * kv_sl;
                 a[j] = VZERO();
-                a[8 + j] = VZERO();
+                a[HALF + j] = VZERO();
                 for (int c = 0; c < nv; c++) {
                     vec k = VLOAD(kl + c * LANES);
                     a[j] = VFMA(qv[r][c], k, a[j]);
-                    a[8 + j] = VFMA(qv[r + 1][c], k, a[8 + j]);
+                    a[HALF + j] = VFMA(qv[r + 1][c], k, a[HALF + j]);
                 }
             }
             vec x = VMUL(vsums(a), VSET(scale));
-            _mm256_storeu_ps(s[r] + l, _mm512_castps512_ps256(x));
-            _mm256_storeu_ps(s[r + 1] + l, _mm512_extractf32x8_ps(x, 1));
+            vstore_halves(s[r] + l, s[r + 1] + l, x);
             vmx = VMAX(vmx, x);
         }
-        float m0 = _mm512_mask_reduce_max_ps(0x00FF, vmx), m1 = _mm512_mask_reduce_max_ps(0xFF00, vmx);
-        mx[r] = m0 > mx[r] ? m0 : mx[r];
-        mx[r + 1] = m1 > mx[r + 1] ? m1 : mx[r + 1];
+        VSTORE(m, vmx);
+        for (int j = 0; j < HALF; j++) {
+            mx[r] = m[j] > mx[r] ? m[j] : mx[r];
+            mx[r + 1] = m[HALF + j] > mx[r + 1] ? m[HALF + j] : mx[r + 1];
+        }
     }
     if (rb % 2) {
         int r = rb - 1;
         vec vmx = VSET(-INFINITY);
-        for (int64_t l = 0; l < J16; l += 16) {
-            vec a[16];
-            for (int j = 0; j < 16; j++) {
+        for (int64_t l = 0; l < Js; l += LANES) {
+            vec a[LANES];
+            for (int j = 0; j < LANES; j++) {
                 const float *kl = kh + (l + j) * kv_sl;
                 a[j] = VZERO();
                 for (int c = 0; c < nv; c++) a[j] = VFMA(qv[r][c], VLOAD(kl + c * LANES), a[j]);
@@ -172,14 +186,11 @@ static inline __attribute__((always_inline)) void att_rows_scores(int nv, int rb
             VSTORE(s[r] + l, x);
             vmx = VMAX(vmx, x);
         }
-        float m = _mm512_reduce_max_ps(vmx);
-        mx[r] = m > mx[r] ? m : mx[r];
-        att_keys_scores(nv, r, rb, qv, kh, kv_sl, s, J16, J, scale, mx);
+        VSTORE(m, vmx);
+        for (int j = 0; j < LANES; j++) mx[r] = m[j] > mx[r] ? m[j] : mx[r];
+        att_keys_scores(nv, r, rb, qv, kh, kv_sl, s, Js, J, scale, mx);
     }
-    att_keys_scores(nv, 0, rb - rb % 2, qv, kh, kv_sl, s, J8, J, scale, mx);
-#else
-    att_keys_scores(nv, 0, rb, qv, kh, kv_sl, s, 0, J, scale, mx);
-#endif
+    att_keys_scores(nv, 0, rb - rb % 2, qv, kh, kv_sl, s, Jp, J, scale, mx);
 }
 
 static inline __attribute__((always_inline)) void att_rows_values(int nv, int rb, const float *vh, int64_t kv_sl,
