@@ -93,6 +93,22 @@ def test_the_screened_argmax_is_the_heads_on_the_avx2_and_scalar_builds(other_ke
 
 
 @needs_kernel
+def test_greedy_tokens_row_by_row_cap_the_logits_they_compute(monkeypatch):
+    """`kernels.screen_argmax` (a head served from its rows): each row's own candidates only, the head's argmax; more
+    logits than allowed, or none allowed, gives None (the caller takes the whole head), never a guess."""
+    monkeypatch.setattr(kernels, "layout", lambda dtype=None: "rows")
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(3000, 64, generator=g) * 0.05
+    head = served_head(w)
+    screen = screened_head.screen_of(head)
+    x = torch.randn(6, 64, generator=g)
+    scores = screened_head.screen_scores(screen, x)
+    ids = kernels.screen_argmax(scores, x, w, screen.dot, screen.constants, 10**6)
+    assert ids == head(x).argmax(-1).tolist()
+    assert kernels.screen_argmax(scores, x, w, screen.dot, screen.constants, 5) is None
+
+
+@needs_kernel
 def test_the_screen_follows_its_heads_weight_and_steps_aside_where_it_cannot_bound():
     """A weight changed in place: the screen is made again (old tokens would be wrong). Non-finite rows: the whole
     head, as does a head with a bias or in another dtype (no screen built)."""

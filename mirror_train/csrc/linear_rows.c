@@ -120,13 +120,12 @@ BLOCK(T, WT, narrow, 1, 1, 0, NARROW_AHEAD(WT)) BLOCK(T, WT, narrow, 1, 2, 0, NA
 BLOCK(T, WT, narrow, 1, 3, 0, NARROW_AHEAD(WT)) BLOCK(T, WT, narrow, 1, 4, 0, NARROW_AHEAD(WT))                    \
 typedef void (*T##_block_fn)(const float *, int64_t, const WT *, int64_t, const float *, float *, int64_t, int);    \
 NARROW_RUN(T, WT, 1) NARROW_RUN(T, WT, 2) NARROW_RUN(T, WT, 3) NARROW_RUN(T, WT, 4)                               \
-static void (*const T##_NARROW_RUN[5])(const float *, int64_t, const WT *, int64_t, const float *, float *,        \
-                                       int64_t, int64_t) = {0, T##_narrow_run_1, T##_narrow_run_2,                 \
-                                                            T##_narrow_run_3, T##_narrow_run_4};                   \
+typedef void (*T##_run_fn)(const float *, int64_t, const WT *, int64_t, const float *, float *, int64_t, int64_t); \
+static const T##_run_fn T##_NARROW_RUN[5] = {0, T##_narrow_run_1, T##_narrow_run_2, T##_narrow_run_3,              \
+                                             T##_narrow_run_4};                                                    \
 static const T##_block_fn T##_WIDE[5] = {0, T##_wide_1, T##_wide_2, T##_wide_3, T##_wide_4};                       \
 static const T##_block_fn T##_TALL[9] = {0, T##_tall_1, T##_tall_2, T##_tall_3, T##_tall_4,                       \
                                          T##_tall_5, T##_tall_6, T##_tall_7, T##_tall_8};                         \
-static const T##_block_fn T##_NARROW[5] = {0, T##_narrow_1, T##_narrow_2, T##_narrow_3, T##_narrow_4};             \
 void linear_##T(const float *x, int64_t ldx, const WT *w, const float *b, float *y, int64_t ldy, int64_t M,         \
                 int64_t N, int64_t K) {                                                                            \
     int64_t n = 0;                                                                                                 \
