@@ -132,6 +132,39 @@ static inline __attribute__((always_inline)) void att_keys_scores(int nv, int r0
     }
 }
 
+/* Rows r..r+R-1 (R = 1 or 2) over blocks of LANES / R keys, their LANES sums reduced together (`vsums`: vsum's
+   additions in vsum's order; a block's result holds row r's scores in its first LANES / R lanes, row r+1's in the
+   rest), each key vector loaded once for the R rows; then the keys the blocks leave over, a key at a time. */
+static inline __attribute__((always_inline)) void att_block_scores(int nv, int R, int r, vec (*qv)[NV_MAX],
+                                                                   const float *kh, int64_t kv_sl, float *const *s,
+                                                                   int64_t J, float scale, float *mx) {
+    const int keys = LANES / R;
+    int64_t Jb = J - J % keys;
+    vec vmx = VSET(-INFINITY);
+    for (int64_t l = 0; l < Jb; l += keys) {
+        vec a[LANES];
+        for (int j = 0; j < keys; j++) {
+            const float *kl = kh + (l + j) * kv_sl;
+            for (int t = 0; t < R; t++) a[t * keys + j] = VZERO();
+            for (int c = 0; c < nv; c++) {
+                vec k = VLOAD(kl + c * LANES);
+                for (int t = 0; t < R; t++) a[t * keys + j] = VFMA(qv[r + t][c], k, a[t * keys + j]);
+            }
+        }
+        vec x = VMUL(vsums(a), VSET(scale));
+        if (R == 2)
+            vstore_halves(s[r] + l, s[r + 1] + l, x);
+        else
+            VSTORE(s[r] + l, x);
+        vmx = VMAX(vmx, x);
+    }
+    float m[LANES];
+    VSTORE(m, vmx);
+    for (int t = 0; t < R; t++)
+        for (int j = 0; j < keys; j++) mx[r + t] = m[t * keys + j] > mx[r + t] ? m[t * keys + j] : mx[r + t];
+    att_keys_scores(nv, r, r + R, qv, kh, kv_sl, s, Jb, J, scale, mx);
+}
+
 /* rb rows of one head over their shared keys 0..J-1 (nv = D / LANES vectors a row): their scores and maxima, then,
    after the caller's exponentials, their outputs. Inlined with constant nv and rb so the sums live in registers. */
 static inline __attribute__((always_inline)) void att_rows_scores(int nv, int rb, const float *const *q,
@@ -140,57 +173,11 @@ static inline __attribute__((always_inline)) void att_rows_scores(int nv, int rb
     vec qv[RB_MAX][NV_MAX];
     for (int r = 0; r < rb; r++)
         for (int c = 0; c < nv; c++) qv[r][c] = VLOAD(q[r] + c * LANES);
-    /* Sums reduced LANES at a time (`vsums`: vsum's additions in vsum's order). Rows two at a time over blocks of
-       LANES / 2 keys (lanes below LANES / 2 of a block's result the first row's scores, the rest the second's), so
-       that each key vector is loaded once for both rows: the scores took 1.5x as long one row at a time over blocks
-       of LANES keys, a load an FMA (AVX-512, Zen 4, docs/engine.md thirty-sixth session). An odd last row (every
-       row where the registers hold one row's query: AVX2's head size 64) goes alone over blocks of LANES keys. */
-    enum { HALF = LANES / 2 };
-    int64_t Jp = J - J % HALF, Js = J - J % LANES;
-    float m[LANES];
-    for (int r = 0; r + 1 < rb; r += 2) {
-        vec vmx = VSET(-INFINITY);
-        for (int64_t l = 0; l < Jp; l += HALF) {
-            vec a[LANES];
-            for (int j = 0; j < HALF; j++) {
-                const float *kl = kh + (l + j) * kv_sl;
-                a[j] = VZERO();
-                a[HALF + j] = VZERO();
-                for (int c = 0; c < nv; c++) {
-                    vec k = VLOAD(kl + c * LANES);
-                    a[j] = VFMA(qv[r][c], k, a[j]);
-                    a[HALF + j] = VFMA(qv[r + 1][c], k, a[HALF + j]);
-                }
-            }
-            vec x = VMUL(vsums(a), VSET(scale));
-            vstore_halves(s[r] + l, s[r + 1] + l, x);
-            vmx = VMAX(vmx, x);
-        }
-        VSTORE(m, vmx);
-        for (int j = 0; j < HALF; j++) {
-            mx[r] = m[j] > mx[r] ? m[j] : mx[r];
-            mx[r + 1] = m[HALF + j] > mx[r + 1] ? m[HALF + j] : mx[r + 1];
-        }
-    }
-    if (rb % 2) {
-        int r = rb - 1;
-        vec vmx = VSET(-INFINITY);
-        for (int64_t l = 0; l < Js; l += LANES) {
-            vec a[LANES];
-            for (int j = 0; j < LANES; j++) {
-                const float *kl = kh + (l + j) * kv_sl;
-                a[j] = VZERO();
-                for (int c = 0; c < nv; c++) a[j] = VFMA(qv[r][c], VLOAD(kl + c * LANES), a[j]);
-            }
-            vec x = VMUL(vsums(a), VSET(scale));
-            VSTORE(s[r] + l, x);
-            vmx = VMAX(vmx, x);
-        }
-        VSTORE(m, vmx);
-        for (int j = 0; j < LANES; j++) mx[r] = m[j] > mx[r] ? m[j] : mx[r];
-        att_keys_scores(nv, r, rb, qv, kh, kv_sl, s, Js, J, scale, mx);
-    }
-    att_keys_scores(nv, 0, rb - rb % 2, qv, kh, kv_sl, s, Jp, J, scale, mx);
+    /* Rows two at a time, so that each key vector is loaded once for both: the scores took 1.5x as long one row at
+       a time over blocks of LANES keys, a load an FMA (AVX-512, Zen 4, docs/engine.md thirty-sixth session). An odd
+       last row (every row where the registers hold one row's query: AVX2's head size 64) goes alone. */
+    for (int r = 0; r + 1 < rb; r += 2) att_block_scores(nv, 2, r, qv, kh, kv_sl, s, J, scale, mx);
+    if (rb % 2) att_block_scores(nv, 1, rb - 1, qv, kh, kv_sl, s, J, scale, mx);
 }
 
 static inline __attribute__((always_inline)) void att_rows_values(int nv, int rb, const float *vh, int64_t kv_sl,
