@@ -5,9 +5,11 @@ speculative decoding (sd) and Mirror-SD (mirror), greedy, the two CPU cores as t
 
 Part 1 measures the engine apart from draft quality: the synthetic draft replays the target's own greedy answer
 (the ar run's) with errors injected at each per-token acceptance rate, and costs `--draft-cost` × the target's
-measured time per token per forward. Part 2 runs the trained draft and proxy head (when given). Every answer of
-every method is checked against the ar answer, token for token. Prompts: `--per-category` Spec-Bench questions of
-each task, turn 1. Prints Markdown tables; writes JSON with every generation's summary.
+measured time per token per forward; `--repeats N` runs it N rounds and gives each round's decoding ratios, their
+median and range beside the pooled ones (the machine's noise, measured). Part 2 runs the trained draft and proxy
+head (when given). Every answer of every method is checked against the ar answer, token for token. Prompts:
+`--per-category` Spec-Bench questions of each task, turn 1. Prints Markdown tables; writes JSON with every
+generation's summary.
 """
 
 from __future__ import annotations
@@ -122,6 +124,20 @@ def print_steps(table) -> None:
             )
 
 
+def round_ratios(rows) -> dict:
+    """One round's decoding tokens/s by method and Mirror-SD's ratios to ar and to serial SD."""
+    speed = {m: aggregate(rows, m)["decode_tokens_per_s"] for m in ("ar", "sd", "mirror")}
+    return speed | {"mirror/ar": speed["mirror"] / speed["ar"], "mirror/sd": speed["mirror"] / speed["sd"]}
+
+
+def spread(rounds, key: str) -> str:
+    """The median of the rounds' `key` and their range, where there is more than one round."""
+    values = sorted(r[key] for r in rounds)
+    if len(values) < 2:
+        return ""
+    return f" (rounds {statistics.median(values):.2f}×, {values[0]:.2f}–{values[-1]:.2f})"
+
+
 def fmt(x, digits=2):
     return "–" if x is None else f"{x:.{digits}f}"
 
@@ -136,6 +152,13 @@ def main() -> None:
     ap.add_argument("--draft-cost", type=float, default=0.15, help="synthetic forward cost / target token time")
     ap.add_argument("--node-cost", type=float, default=0.03, help="synthetic cost per extra tree node / forward")
     ap.add_argument("--streams", type=int, default=0, help="synthetic draft: tokens per forward − 1")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of the synthetic table over the same prompts (every method each round): each round's decoding "
+        "ratios too, their median and range (the machine's noise between rounds)",
+    )
     d = EngineConfig()  # the engine's defaults are this script's
     ap.add_argument("--gamma", type=int, default=d.gamma)
     ap.add_argument("--kappa", type=int, default=d.kappa)
@@ -201,9 +224,15 @@ def main() -> None:
         alone = replace(base, ngram_tokens=0)  # the synthetic draft alone: no copied windows
         with MirrorEngine(target, args.proxy_head, synthetic, alone) as engine:
             engine.generate(prompts[0][1].messages(), 8, method="mirror", reference=references[0])  # warm-up
-            rows = run_methods(engine, prompts, references, ["ar", "sd", "mirror"], args.max_new_tokens)
+            rounds = [
+                run_methods(engine, prompts, references, ["ar", "sd", "mirror"], args.max_new_tokens)
+                for _ in range(max(1, args.repeats))
+            ]
+        rows = [r for one in rounds for r in one]
         agg = {m: aggregate(rows, m) for m in ("ar", "sd", "mirror")}
-        table.append({"acceptance": acceptance, "methods": agg, "rows": rows})
+        table.append(
+            {"acceptance": acceptance, "methods": agg, "rows": rows, "rounds": [round_ratios(r) for r in rounds]}
+        )
         print(
             f"acceptance {acceptance}: "
             + ", ".join(f"{m} {a['tokens_per_s']:.1f} tok/s" for m, a in agg.items())
@@ -232,8 +261,8 @@ def main() -> None:
                 f"| {row['acceptance']:.1f} | {a['tokens_per_s']:.1f} | {s['tokens_per_s']:.1f} | "
                 f"{m['tokens_per_s']:.1f} | {m['tokens_per_s'] / a['tokens_per_s']:.2f}× | "
                 f"{m['tokens_per_s'] / s['tokens_per_s']:.2f}× | {s['tokens_per_s'] / a['tokens_per_s']:.2f}× | "
-                f"{m['decode_tokens_per_s'] / a['decode_tokens_per_s']:.2f}× | "
-                f"{m['decode_tokens_per_s'] / s['decode_tokens_per_s']:.2f}× | "
+                f"{m['decode_tokens_per_s'] / a['decode_tokens_per_s']:.2f}×{spread(row['rounds'], 'mirror/ar')} | "
+                f"{m['decode_tokens_per_s'] / s['decode_tokens_per_s']:.2f}×{spread(row['rounds'], 'mirror/sd')} | "
                 f"{fmt(m['mean_accepted'])} | {fmt(m['reuse_rate'])} | {fmt(m['hit'])} | "
                 f"{fmt(m['overlap_efficiency'])} | {a['lossless'] and s['lossless'] and m['lossless']} |"
             )
