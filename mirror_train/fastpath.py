@@ -213,19 +213,9 @@ def install(model: nn.Module, kind: str = "auto") -> str:
 
 def install_head(head: nn.Module, kind: str) -> None:
     """`install` on a proxy head and on its LM head, which it holds apart from its modules (the target's rows, or its
-    candidate vocabulary's): where it runs, on the draft's side or beside the target, it only proposes. On `fastest`
-    where the CPU has AVX512-VNNI its LM head reads int8 copies of its rows (`Int8Linear`): in the engine, on the
-    draft's side, the bfloat16 head took 3.1-3.3 ms of the ~14 ms the target's suffix leaves the rollout, against
-    1.1 ms alone, its 24 MB competing with the target's weight stream; int8 rows read half the bytes (16,384 x 576,
-    5 rows, caches flushed, Zen 4: 1.17 -> 0.60-0.77 ms; the top 8 of random rows as often the float32 ones' as
-    bfloat16's), and only ever propose (docs/engine.md, thirty-seventh session)."""
+    candidate vocabulary's): where it runs, on the draft's side or beside the target, it only proposes."""
     for module in (head.requires_grad_(False), head.lm_head):
         install(module, kind)
-    if kind != "fastest" or not kernels.i8_dot():
-        return
-    for lm in [m for m in head.lm_head.modules() if type(m) is RoutedLinear and m.weight.device.type == "cpu"]:
-        lm.__class__ = Int8Linear
-        lm.__dict__["_i8"] = kernels.quantize_i8(lm.weight)
 
 
 def _widen_activations(model: nn.Module) -> bool:
@@ -488,20 +478,4 @@ class RoutedLinear(PackedLinear):
         return self.run(x, self.routes[bisect.bisect_left(ROUTE_ROWS, rows)])
 
     def __deepcopy__(self, memo):
-        return _plain_copy(self, memo, ("_packed", "_packed_dtype", "min_rows", "routes", "_panels", "_dot", "_i8"))
-
-
-class Int8Linear(RoutedLinear):
-    """A proposer's linear read from int8 copies of its weights (`kernels.linear_i8`, AVX512-VNNI) for the calls
-    up to ROUTE_ROWS[-1] rows on a CPU; every other call as a RoutedLinear. For a proxy head's LM head on the
-    draft's side, whose bytes compete there with the target's weight stream (`install_head`)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        i8 = self.__dict__.get("_i8")
-        if i8 is None or x.device.type != "cpu" or rows > ROUTE_ROWS[-1] or _needs_grad(x, self.weight):
-            return super().forward(x)
-        out = kernels.linear_i8(x, i8)
-        if self.bias is not None:
-            out += self.bias.float()
-        return out.to(x.dtype)
+        return _plain_copy(self, memo, ("_packed", "_packed_dtype", "min_rows", "routes", "_panels", "_dot"))

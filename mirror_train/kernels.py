@@ -41,7 +41,6 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -124,10 +123,6 @@ def _library() -> ctypes.CDLL | None:
         # x, ldx, panels, bias, y, ldy, M, N, K, scratch
         lib.linear_dot.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
         lib.linear_dot.restype = None
-        lib.i8_dot.restype = ctypes.c_int
-        # x, ldx, q, scales, q's row sums, y, ldy, M, N, K, Kp, scratch
-        lib.linear_i8.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr]
-        lib.linear_i8.restype = None
         # q, q head / row strides, k, v, kv head / position strides, out, scratch, M, H, KVH, L, D, scale,
         # and a forked window's per-row key runs n1, s2, n2 (NULL: causal)
         lib.attention_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, *[i64] * 5, ctypes.c_float]
@@ -209,58 +204,6 @@ def linear_dot(x: torch.Tensor, n: int, panels: torch.Tensor, bias: torch.Tensor
     _library().linear_dot(rows.data_ptr(), k, panels.data_ptr(), b, out.data_ptr(), n, m, n, k, pairs.data_ptr())
     out = out.view(*x.shape[:-1], n)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
-
-
-def i8_dot() -> bool:
-    """Whether AVX512-VNNI's byte dot product is built here (`linear_i8`: a proxy head's LM head on int8 weights)."""
-    lib = _library()
-    return lib is not None and bool(lib.i8_dot())
-
-
-class Int8Rows(NamedTuple):
-    """A weight (N, K) as `linear_i8` reads it: q (N, Kp) int8, rows zero-padded to whole 64-byte chunks; each
-    row's scale (N,) float32, q = round(w / scale); each row's sum of q (N,) int32."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    qsum: torch.Tensor
-    in_features: int
-
-
-def quantize_i8(weight: torch.Tensor) -> Int8Rows:
-    """`weight` (N, K) as int8 rows, each with its own scale max|w| / 127 (1 for a zero row)."""
-    w = weight.detach().float()
-    n, k = w.shape
-    scale = w.abs().amax(dim=1) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.zeros(n, -(-k // 64) * 64, dtype=torch.int8)
-    q[:, :k] = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return Int8Rows(q, scale.contiguous(), q.sum(dim=1, dtype=torch.int32), k)
-
-
-def linear_i8(x: torch.Tensor, rows: Int8Rows) -> torch.Tensor:
-    """x (..., K) · Wᵀ for W as `quantize_i8` made it, on AVX512-VNNI's byte dot product, each row of x quantized
-    to bytes with its own scale (a proposer's path: it only proposes); float32 out. Call only where `i8_dot()`."""
-    flat = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-    m, k = flat.shape
-    n, kp = rows.q.shape
-    out = torch.empty(m, n, dtype=torch.float32)
-    scratch = torch.empty(m, kp, dtype=torch.uint8)
-    _library().linear_i8(
-        flat.data_ptr(),
-        k,
-        rows.q.data_ptr(),
-        rows.scale.data_ptr(),
-        rows.qsum.data_ptr(),
-        out.data_ptr(),
-        n,
-        m,
-        n,
-        k,
-        kp,
-        scratch.data_ptr(),
-    )
-    return out.view(*x.shape[:-1], n)
 
 
 def screen_dot() -> bool:

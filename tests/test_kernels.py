@@ -450,60 +450,6 @@ def test_the_dot_product_linear_is_the_bfloat16_rounded_inputs_product(n, k, bia
         torch.testing.assert_close(out.double(), exact[:rows], atol=1e-4 * k**0.5, rtol=1e-5)
 
 
-@needs_kernel
-@pytest.mark.parametrize("n,k", [(1000, 576), (9, 100), (4, 64), (7, 13)])
-def test_the_int8_linear_is_the_product_within_its_quantization_and_rows_are_independent(n, k):
-    """`linear_i8` (a proxy head's LM head on the draft's side): each weight row and each input row quantized to
-    bytes with its own scale, so within the quantization's worst case of the float product (half a step of each
-    factor, summed), at every row count (tiles of 6 rows, 4 weight rows, a last one alone, K padded to 64), every row
-    the one-row call's, a zero row zero."""
-    if not kernels.i8_dot():
-        pytest.skip("no AVX512-VNNI here")
-    g = torch.Generator().manual_seed(n + k)
-    w, x = torch.randn(n, k, generator=g), torch.randn(13, k, generator=g)
-    w[1] = 0.0
-    rows = kernels.quantize_i8(w)
-    assert rows.q.shape == (n, -(-k // 64) * 64) and rows.q.dtype == torch.int8 and not rows.q[:, k:].any()
-    exact = x.double() @ w.double().T
-    ws = w.abs().amax(1).double() / 127  # a weight step, per weight row; an input step, per input row
-    xs = x.abs().amax(1).double() / 127
-    bound = (x.abs().double() @ (ws[:, None] / 2).expand(n, k).T) + (xs[:, None] / 2) * (w.abs().double().sum(1)[None])
-    bound += (xs[:, None] * ws[None]) * k / 4  # the product of the two halves
-    out = kernels.linear_i8(x, rows)
-    assert out.dtype == torch.float32 and out.shape == (13, n)
-    assert ((out.double() - exact).abs() <= bound * 1.01 + 1e-4).all()
-    assert (out[:, 1] == 0).all()
-    for m in (1, 2, 5, 6, 7, 13):
-        part = kernels.linear_i8(x[:m], rows)
-        assert all(torch.equal(part[i], kernels.linear_i8(x[i : i + 1], rows)[0]) for i in range(m))
-
-
-@needs_kernel
-def test_a_proxy_heads_lm_head_reads_int8_rows_where_the_cpu_has_vnni_when_served_fastest():
-    """install_head("fastest") (a head that only proposes) reads its LM head from int8 copies where AVX512-VNNI is
-    built (`fastpath.Int8Linear`), its top candidates those of the plain head on these random weights; not on any
-    other kind, and a copy of it is a plain linear."""
-    torch.manual_seed(0)
-    head = nn.Module()
-    head.lm_head = nn.Sequential(nn.Linear(64, 512, bias=False))
-    head.lm_head[0].weight.data.normal_()
-    x = torch.randn(5, 64)
-    plain = head.lm_head(x)
-    fastpath.install_head(head, "exact")
-    assert type(head.lm_head[0]) is not fastpath.Int8Linear
-    fastpath.install_head(head, "fastest")
-    if not kernels.i8_dot():
-        assert type(head.lm_head[0]) is fastpath.RoutedLinear
-        return
-    assert type(head.lm_head[0]) is fastpath.Int8Linear
-    with torch.inference_mode():
-        out = head.lm_head(x)
-    assert out.shape == plain.shape and out.dtype == torch.float32
-    same = [len(set(a.tolist()) & set(b.tolist())) for a, b in zip(out.topk(4).indices, plain.topk(4).indices)]
-    assert sum(same) >= 18  # of 20
-    assert type(copy.deepcopy(head.lm_head[0])) is nn.Linear
-
-
 def test_the_fast_path_is_chosen_by_device_and_dtype():
     expected = "exact" if kernels.available() else "onednn" if torch.backends.mkldnn.is_available() else "none"
     assert fastpath.resolve("auto", "cpu", torch.float32) == expected

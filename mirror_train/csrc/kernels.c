@@ -8,7 +8,6 @@
 int kernel_lanes(void) { return LANES; }
 
 #include "dot.c"           /* AVX512-BF16's dot product of pairs: the LM head's screen and a draft's linears */
-#include "linear_i8.c"     /* AVX512-VNNI's byte dot product: a proxy head's LM head on int8 weights */
 #include "screen_select.c" /* the screen's candidates for the exact argmax (screened_head.py) */
 #include "attention.c"     /* causal attention over a KV cache, row by row */
 #include "decoder_layer.c" /* a whole decoder layer, and consecutive layers, in one call */
