@@ -181,6 +181,8 @@ def main() -> None:
     ap.add_argument("--exit-layer", type=int, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be ≥ 1, got {args.repeats}")
 
     import torch
 
@@ -226,7 +228,7 @@ def main() -> None:
             engine.generate(prompts[0][1].messages(), 8, method="mirror", reference=references[0])  # warm-up
             rounds = [
                 run_methods(engine, prompts, references, ["ar", "sd", "mirror"], args.max_new_tokens)
-                for _ in range(max(1, args.repeats))
+                for _ in range(args.repeats)
             ]
         rows = [r for one in rounds for r in one]
         agg = {m: aggregate(rows, m) for m in ("ar", "sd", "mirror")}

@@ -52,11 +52,11 @@ int64_t screen_select(const float *a, int64_t M, int64_t n, int64_t lda, const f
     if (M > 64 || screen_floors(a, M, n, lda, x, K, dot, c, floors) < 0) return -1;
     int64_t count = 0, v = 0;
 #if LANES == 16
+    __m512 t[64];
+    for (int64_t r = 0; r < M; r++) t[r] = _mm512_set1_ps(screen_threshold(floors[r]));
     for (; v + 16 <= n; v += 16) {
         __mmask16 hit = 0;
-        for (int64_t r = 0; r < M; r++)
-            hit |= _mm512_cmp_ps_mask(_mm512_loadu_ps(a + r * lda + v), _mm512_set1_ps(screen_threshold(floors[r])),
-                                      _CMP_GE_OQ);
+        for (int64_t r = 0; r < M; r++) hit |= _mm512_cmp_ps_mask(_mm512_loadu_ps(a + r * lda + v), t[r], _CMP_GE_OQ);
         while (hit) {
             out[count++] = v + __builtin_ctz(hit);
             hit &= hit - 1;
