@@ -114,12 +114,11 @@ def _library() -> ctypes.CDLL | None:
         if lib.attention_rows_max() != RB_MAX:  # the scratch sized here must hold the C source's group of rows
             raise RuntimeError(f"kernels.RB_MAX {RB_MAX} != the attention source's {lib.attention_rows_max()}")
         lib.screen_dot.restype = ctypes.c_int
-        # scores, M, n, lda, x, K, dot, constants, out
-        lib.screen_select.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ptr, ptr]
-        lib.screen_select.restype = i64
-        # scores, M, n, lda, x, K, dot, constants, w, max candidates, ids
-        lib.screen_argmax_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ptr, ptr, i64, ptr]
-        lib.screen_argmax_f32.restype = i64
+        # scores, M, n, lda, x, K, dot, constants, per-id s and n, served weight, its layout, max candidates, ids
+        if hasattr(lib, "screen_per_id"):  # an older revision's library (bench_target.py --baseline) has another
+            lib.screen_argmax.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr]
+            lib.screen_argmax.argtypes += [ctypes.c_int, i64, ptr]
+            lib.screen_argmax.restype = i64
         # x, ldx, panels, bias, y, ldy, M, N, K, scratch
         lib.linear_dot.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
         lib.linear_dot.restype = None
@@ -212,40 +211,32 @@ def screen_dot() -> bool:
     return bool(_library().screen_dot())
 
 
-def select(scores: torch.Tensor, x: torch.Tensor, n: int, dot: bool, constants: torch.Tensor) -> torch.Tensor | None:
-    """The screen's candidates (sorted ids < n) for the float32 rows x (M ≤ 64, K) whose screened logits are `scores`
-    (M, ≥ n; `dot`: made from x rounded to bfloat16), `constants` the head's four float64 bound constants
-    (screened_head.py); None where a bound is not finite."""
-    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-    out = torch.empty(n, dtype=torch.int64)
-    count = _library().screen_select(
-        scores.data_ptr(),
-        scores.shape[0],
-        n,
-        scores.stride(0),
-        rows.data_ptr(),
-        rows.shape[1],
-        int(dot),
-        constants.data_ptr(),
-        out.data_ptr(),
-    )
-    return None if count < 0 else out[:count]
-
-
 def has(function: str) -> bool:
     """Whether the library has a C function (an older revision's, timed by `bench_target.py --baseline`, may not)."""
     return hasattr(_library(), function)
 
 
 def screen_argmax(
-    scores: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dot: bool, constants: torch.Tensor, most: int
+    scores: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    panels: torch.Tensor | None,
+    dot: bool,
+    constants: torch.Tensor,
+    bounds: torch.Tensor,
+    most: int,
 ) -> list[int] | None:
-    """Each row's greedy id for a head served from its float32 rows `weight` (N, K): `select`'s candidates row by
-    row, each row's exact logits over its own (`linear`'s bits) and their first largest; None where a bound is not
-    finite or more than `most` logits would be computed."""
+    """Each row's greedy id for a head (N, K) served from `panels` (float32 or bfloat16, `to_panels`) or else from its
+    float32 rows `weight`: the screen's candidates row by row (each row's lower bound its served logit at its
+    screened argmax), each row's served logits over its own (`linear`'s bits) and their first largest; None where a
+    bound is not finite or more than `most` logits would be computed. `scores`: the screened logits (M, ≥ N)."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    if panels is None:
+        served, layout = weight.contiguous(), 0
+    else:
+        served, layout = panels, 1 if panels.dtype == torch.float32 else 2
     ids = torch.empty(rows.shape[0], dtype=torch.int64)
-    count = _library().screen_argmax_f32(
+    count = _library().screen_argmax(
         scores.data_ptr(),
         scores.shape[0],
         weight.shape[0],
@@ -254,7 +245,10 @@ def screen_argmax(
         rows.shape[1],
         int(dot),
         constants.data_ptr(),
-        weight.data_ptr(),
+        bounds[0].data_ptr(),
+        bounds[1].data_ptr(),
+        served.data_ptr(),
+        layout,
         most,
         ids.data_ptr(),
     )

@@ -12,11 +12,17 @@ argmax exactly, whatever the screen rounds: what it changes is the time.
 
 The bound. For a row x and an id v, with x̂, ŵ_v the screen's bfloat16 values (subnormals flushed, as the
 instruction reads them) and u = 2⁻²⁴, the screen's sum differs from the served one by at most
-    |x̂·ŵ_v − x·w_v| + γ(n)·Σ|x̂_k ŵ_vk| + γ(n)·Σ|x_k w_vk|  ≤  ‖x̂‖·(‖ŵ_v − w_v‖ + γ‖ŵ_v‖) + (γ‖x‖ + ‖x̂ − x‖)·‖w_v‖,
+    |x̂·ŵ_v − x·w_v| + γ(n)·Σ|x̂_k ŵ_vk| + γ(n)·Σ|x_k w_vk|  ≤  ‖x̂‖·(‖ŵ_v − w_v‖ + γ‖ŵ_v‖) + (γ‖x‖ + ‖x̂ − x‖)·‖w_v‖
+                                                            =  α·s_v + β·n_v  =: e_v
 (Cauchy–Schwarz, and γ(n) = n·u / (1 − n·u) bounding any order of n float32 additions: n = 2K + 2 covers both
-sums), plus n flushed subnormals. With e this bound at the per-id norms' maxima (measured once, exactly, in float64;
-the row's norms in float64 each call), the served maximum is at least m − e, m the largest screened logit, so every
-id whose served logit is the maximum has a screened logit ≥ m − 2e: the candidates (kernels' `screen_select`).
+sums), plus n flushed subnormals. s_v and n_v are the head's, per id (measured once, exactly, in float64, rounded up
+to float32: `ScreenedHead.bounds`); α, β the row's (its norms in float64 each call). The served logit at the row's
+screened argmax, L, is computed first: the served maximum is at least L, so every id whose served logit is the
+maximum has a screened logit a_v ≥ L − e_v: the candidates, each computed by the served arithmetic in one C call
+(kernels' `screen_argmax`). Against the first bound
+(a_v ≥ max a − 2·max e, thirty-third session) this keeps ~30× fewer ids where the row's logits are flat (~150 → ~3
+a row on random-token contexts; docs/engine.md, thirty-eighth session): L is exact where max a was e away, and a
+typical id's norm is ~0.4 of the largest.
 
 Where it pays is measured once per machine, by rows (`ScreenedHead.rows`, at the fast path's install): with the
 dot product it roughly halves the head's time at 1–16 rows on an AVX-512 Zen 4 core (docs/engine.md, thirty-third
@@ -52,8 +58,9 @@ class ScreenedHead:
     low_panels: torch.Tensor | None  # its panels (`kernels.to_panels`): the dot product's, or the served layout's
     dot: bool
     # float64 (max over ids of ‖ŵ_v − w_v‖ + γ‖ŵ_v‖, max over ids of ‖w_v‖, γ, what flushed subnormals can add):
-    # the kernel's screen_select computes each row's bound from them
+    # the kernel's screen_argmax computes each row's bound from them and `bounds`
     constants: torch.Tensor
+    bounds: torch.Tensor  # float32 (2, V), each rounded up: s_v = ‖ŵ_v − w_v‖ + γ‖ŵ_v‖ and n_v = ‖w_v‖, per id
     rows: tuple[bool, ...] = (True,) * len(ROWS)
     version: tuple[int, int] = (0, 0)  # the weight's (address, version) it was made from
 
@@ -90,22 +97,23 @@ def build(head: nn.Module, measure: bool = True) -> ScreenedHead | None:
     low = w.to(torch.bfloat16)
     n, k = w.shape
     gamma = (2 * k + 2) * _U / (1 - (2 * k + 2) * _U)
-    slack = norm = 0.0
+    per_id = torch.empty(2, n, dtype=torch.float64)
     for start in range(0, n, 4096):  # float64 a chunk at a time: the whole head's would be 226 MB
         wd, ld = w[start : start + 4096].double(), low[start : start + 4096].double()
         if dot:
             ld = torch.where(ld.abs() < _TINY, 0.0, ld)
-        slack = max(slack, float(((ld - wd).norm(dim=1) + gamma * ld.norm(dim=1)).max()))
-        norm = max(norm, float(wd.norm(dim=1).max()))
+        per_id[0, start : start + 4096] = (ld - wd).norm(dim=1) + gamma * ld.norm(dim=1)
+        per_id[1, start : start + 4096] = wd.norm(dim=1)
+    per_id *= 1 + 1e-9
+    slack, norm = (float(v) for v in per_id.max(dim=1).values)
     panels = kernels.panels_of(head) is not None or dot
     placed = alignment.pack([kernels.to_panels(low) if panels else low])[0]  # huge pages, as the weights
     screen = ScreenedHead(
         low=torch.empty(n, k, dtype=torch.bfloat16, device="meta") if panels else placed,
         low_panels=placed if panels else None,
         dot=dot,
-        constants=torch.tensor(
-            [slack * (1 + 1e-9), norm * (1 + 1e-9), gamma, (2 * k + 2) * _TINY], dtype=torch.float64
-        ),
+        constants=torch.tensor([slack, norm, gamma, (2 * k + 2) * _TINY], dtype=torch.float64),
+        bounds=_rounded_up(per_id),
         version=(head.weight.data_ptr(), head.weight._version),
     )
     head.__dict__["_screen"] = screen
@@ -171,17 +179,20 @@ def screened_argmax(
     """`argmax` through the screen (`scores`: its logits of these rows, if already made) or None: the bound is not
     finite, or passes MAX_CANDIDATES."""
     w = head.weight.detach()
+    if not kernels.has("screen_per_id"):  # an older revision's kernels (bench_target.py --baseline): another bound
+        return None
     if scores is None:
         scores = screen_scores(screen, rows)
     panels = kernels.panels_of(head)
-    if panels is None and w.dtype == torch.float32 and w.is_contiguous() and kernels.has("screen_argmax_f32"):
-        # served from its rows: row by row in C
-        return kernels.screen_argmax(scores, rows, w, screen.dot, screen.constants, MAX_CANDIDATES)
-    candidates = kernels.select(scores, rows, w.shape[0], screen.dot, screen.constants)
-    if candidates is None or candidates.numel() == 0 or candidates.numel() > MAX_CANDIDATES:
+    if panels is None and w.dtype != torch.float32:
         return None
-    exact = kernels.linear_at(rows, w, candidates, panels)
-    return candidates[exact.argmax(dim=1)].tolist()
+    return kernels.screen_argmax(scores, rows, w, panels, screen.dot, screen.constants, screen.bounds, MAX_CANDIDATES)
+
+
+def _rounded_up(values: torch.Tensor) -> torch.Tensor:
+    """float64 values as float32, each rounded up (a bound stays a bound)."""
+    low = values.float()
+    return torch.where(low.double() < values, torch.nextafter(low, torch.tensor(float("inf"))), low).contiguous()
 
 
 def _measure(head: nn.Module, screen: ScreenedHead, repeats: int = 9) -> tuple[bool, ...]:

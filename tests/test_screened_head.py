@@ -103,9 +103,65 @@ def test_greedy_tokens_row_by_row_cap_the_logits_they_compute(monkeypatch):
     screen = screened_head.screen_of(head)
     x = torch.randn(6, 64, generator=g)
     scores = screened_head.screen_scores(screen, x)
-    ids = kernels.screen_argmax(scores, x, w, screen.dot, screen.constants, 10**6)
+    ids = kernels.screen_argmax(scores, x, w, None, screen.dot, screen.constants, screen.bounds, 10**6)
     assert ids == head(x).argmax(-1).tolist()
-    assert kernels.screen_argmax(scores, x, w, screen.dot, screen.constants, 5) is None
+    assert kernels.screen_argmax(scores, x, w, None, screen.dot, screen.constants, screen.bounds, 5) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", kernels.LAYOUTS)
+@pytest.mark.parametrize("values", ["float32", "bfloat16"])
+def test_per_id_bounds_keep_the_argmax_where_row_norms_differ_widely(layout, values, monkeypatch):
+    """The bound is per id (‖w_v‖ and its rounding error's): a head whose rows' norms span 10⁴ (a few huge rows near
+    the top, many tiny ones) and rows aimed at each, so that the largest rows' errors dwarf the small ones' and near
+    ties cross between them. Every token is the served head's, on rows, float32 panels and bfloat16 panels."""
+    monkeypatch.setattr(kernels, "layout", lambda dtype=None: layout)
+    monkeypatch.setattr(kernels, "narrow", lambda dtype=None: True)
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(777, 48, generator=g) * torch.logspace(-2, 2, 777)[torch.randperm(777, generator=g)][:, None]
+    if values == "bfloat16":
+        w = w.bfloat16().float()
+    big = int(w.norm(dim=1).argmax())
+    w[5] = w[big] * 0.999  # a near-tie with the largest row, from another norm's error
+    head = served_head(w)
+    screen = screened_head.screen_of(head)
+    assert screen.bounds.dtype == torch.float32 and screen.bounds.shape == (2, 777)
+    assert float(screen.bounds[1].min()) < 1e-3 * float(screen.bounds[1].max())
+    for scale in (1e-2, 1.0, 50.0):
+        x = torch.randn(12, 48, generator=g) * scale
+        x[0] = w[big] * scale
+        x[1] = w[int(w.norm(dim=1).argmin())] * scale * 1e3
+        assert screened_head.screened_argmax(head, screen, x) == head(x).argmax(-1).tolist()
+
+
+@needs_kernel
+def test_the_per_id_bound_keeps_fewer_candidates_than_the_largest_norms_bound():
+    """The candidates the kernel computes (its count: the rows' lower bounds and the logits past them) against the
+    bound a_v ≥ max a − 2·max e (the thirty-third session's), counted here in float64: on rows aimed at a cluster
+    of 300 ids whose logits lie within ~0.5 of each other, beside a few rows ten times the others' norm (the largest
+    norm sets the old bound), the old bound keeps the whole cluster, the per-id one a tenth of it at most."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(4000, 256, generator=g) * 0.05
+    w[:300] = w[0] + 0.003 * torch.randn(300, 256, generator=g)
+    w[3990:] *= 10
+    head = served_head(w)
+    screen = screened_head.screen_of(head)
+    x = w[0] * 40 + 0.1 * torch.randn(8, 256, generator=g)
+    scores = screened_head.screen_scores(screen, x)[:, :4000].double()
+    xd, xl = x.double(), x.bfloat16().double() if screen.dot else x.double()
+    c0, c1, gamma = (float(v) for v in screen.constants[:3])
+    e = xl.norm(dim=1) * c0 + (gamma * xd.norm(dim=1) + (xl - xd).norm(dim=1)) * c1
+    old = int((scores >= scores.max(dim=1, keepdim=True).values - 2 * e[:, None]).sum())
+    assert old >= 300
+    panels = kernels.panels_of(head)
+    most = 10**6
+    assert kernels.screen_argmax(scores.float(), x, w, panels, screen.dot, screen.constants, screen.bounds, most)
+    low, high = 0, most  # the fewest logits the kernel computes: the largest `most` that refuses, plus one
+    while low < high:
+        mid = (low + high) // 2
+        got = kernels.screen_argmax(scores.float(), x, w, panels, screen.dot, screen.constants, screen.bounds, mid)
+        low, high = (low, mid) if got is not None else (mid + 1, high)
+    assert low - 8 <= old / 10, (low, old)  # less the 8 rows' lower bounds
 
 
 @needs_kernel

@@ -8,6 +8,6 @@
 int kernel_lanes(void) { return LANES; }
 
 #include "dot.c"           /* AVX512-BF16's dot product of pairs: the LM head's screen and a draft's linears */
-#include "screen_select.c" /* the screen's candidates for the exact argmax (screened_head.py) */
+#include "screen_argmax.c" /* greedy tokens through the LM head's screen (screened_head.py) */
 #include "attention.c"     /* causal attention over a KV cache, row by row */
 #include "decoder_layer.c" /* a whole decoder layer, and consecutive layers, in one call */
