@@ -46,7 +46,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mirror_train import alignment, attention, fused_layer, kernels, screened_head
+from mirror_train import alignment, attention, fused_head, fused_layer, kernels, screened_head
 from mirror_train.devices import resolve_dtype
 from mirror_train.errors import MirrorTrainError
 from mirror_train.timing import median_ms
@@ -214,8 +214,10 @@ def install(model: nn.Module, kind: str = "auto") -> str:
 def install_head(head: nn.Module, kind: str) -> None:
     """`install` on a proxy head and on its LM head, which it holds apart from its modules (the target's rows, or its
     candidate vocabulary's): where it runs, on the draft's side or beside the target, it only proposes."""
-    for module in (head.requires_grad_(False), head.lm_head):
-        install(module, kind)
+    installed = [install(module, kind) for module in (head.requires_grad_(False), head.lm_head)]
+    # its candidates as one C call where the kernels serve it (fused_head.py): the torch path's ~30 operations ran
+    # cold on the draft's side
+    fused_head.install(head, any(k in ("exact", "fastest") for k in installed))
 
 
 def _widen_activations(model: nn.Module) -> bool:

@@ -136,6 +136,14 @@ def _library() -> ctypes.CDLL | None:
         # x, M, H, n, layers (StackLayer[n]), cos, sin, past, n1, s2, n2, scratch
         lib.decoder_stack_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
         lib.decoder_stack_f32.restype = None
+        # x, M, H, pre, pre_eps, fin, fin_eps, weights[3], wtypes[3], wpanels[3], I, V, softcap, kappa, window, W,
+        # outside_logp, top ids, top log-probs, window log-probs, scratch
+        f32 = ctypes.c_float
+        lib.proxy_head_f32.argtypes = [ptr, i64, i64, ptr, f32, ptr, f32, ptr, ptr, ptr, i64, i64, f32, i64, ptr, i64]
+        lib.proxy_head_f32.argtypes += [f32, ptr, ptr, ptr, ptr]
+        lib.proxy_head_f32.restype = ctypes.c_int
+        lib.head_scratch_floats.argtypes = [i64] * 4
+        lib.head_scratch_floats.restype = i64
     except (OSError, AttributeError):  # not loadable here, or not the library this source builds
         return None
     return lib

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from mirror_train import kernels
 from mirror_train.data.features import FeatureCache, FeatureCacheConfig, TokenSequence, build_feature_cache
 from mirror_train.data.selfdistill import SelfDistillConfig, generate_selfdistill, load_selfdistill
 from mirror_train.errors import MirrorTrainError
@@ -196,3 +197,44 @@ def test_a_head_served_on_the_drafts_side_routes_its_linears_and_scores_the_same
     hidden = torch.randn(1, 5, target.hidden_size)
     with torch.inference_mode():
         torch.testing.assert_close(served(hidden), head(hidden), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the kernels")
+@pytest.mark.parametrize("kind", ["mlp", "lens", "residual"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("restricted", [False, True])
+def test_a_heads_candidates_in_one_c_call_are_torchs(kind, dtype, restricted, target):
+    """A head served on the draft's side answers `window_candidates` in one C call (fused_head.py) where its kind
+    allows (mlp, lens; a residual head keeps torch's path): the same top-κ, log-probs and window log-probs as the
+    torch path, to float32 rounding (bfloat16 weights: the C call's activations stay float32, torch's do not, so
+    near-ties may swap), a window token outside a restricted vocabulary at OUTSIDE_LOGP."""
+    from mirror_train import fastpath, fused_head
+    from mirror_train.models.proxy_head import OUTSIDE_LOGP, HeadEnd
+
+    g = torch.Generator().manual_seed(0)
+    cfg = ProxyHeadConfig(kind=kind, exit_layer=2, mlp_hidden=16, kappa=8)
+    proxy = ProxyHead(cfg, target.hidden_size).bind(target)
+    with torch.no_grad():
+        for p in proxy.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    ids = torch.arange(3, 128, 2) if restricted else None
+    proxy.restrict(ids)
+    end, state = HeadEnd.of(proxy)
+    head = end.to(dtype).head(cfg, state, ids).to(dtype)
+    fastpath.install_head(head, fastpath.for_draft("auto"))
+    assert ("_fused_head" in head.__dict__) == (kind != "residual")
+    hidden = (torch.randn(5, target.hidden_size, generator=g) * 2).to(dtype)
+    window = [3, 4, 5, 127]  # 4: outside the restricted vocabulary
+    fused = head.window_candidates(hidden, window, 8)
+    head.__dict__.pop("_fused_head", None)
+    plain = head.window_candidates(hidden, window, 8)
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    for got, want in zip(fused[1], plain[1]):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=tol, rtol=0)
+    torch.testing.assert_close(torch.tensor(fused[2]), torch.tensor(plain[2]), atol=tol, rtol=0)
+    if restricted:
+        assert fused[2][1] == OUTSIDE_LOGP
+    overlap = sum(len(set(a) & set(b)) for a, b in zip(fused[0], plain[0])) / (5 * 8)
+    assert overlap == 1.0 if dtype == torch.float32 else overlap >= 0.9
+    assert all(i in (ids.tolist() if restricted else range(128)) for row in fused[0] for i in row)
+    assert not fused_head.install(ProxyHead(ProxyHeadConfig(kind="attention", exit_layer=2), target.hidden_size))

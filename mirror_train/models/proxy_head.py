@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from mirror_train import fused_head
 from mirror_train.config import config_from_dict
 from mirror_train.errors import MirrorTrainError
 from mirror_train.export import CardText, load_artifact, save_artifact
@@ -271,9 +272,13 @@ class ProxyHead(nn.Module):
         top-κ target ids and their log-probs, and the log-prob of each drafted token of `window` (γ ids;
         OUTSIDE_LOGP for one a restricted vocabulary lacks)."""
         kappa = check_kappa(kappa or self.cfg.kappa)
+        index = self.logit_index(torch.tensor(window, dtype=torch.long, device=hidden.device))
+        fused = fused_head.window_candidates(self, hidden, index, kappa, OUTSIDE_LOGP)  # one C call, where marked
+        if fused is not None:
+            top_index, top_logp, window_logp = fused
+            return self.to_target_ids(top_index).tolist(), top_logp, window_logp
         logp = torch.log_softmax(self(hidden, cache).float(), dim=-1)  # (γ+1, V')
         top = logp.topk(kappa, dim=-1)
-        index = self.logit_index(torch.tensor(window, dtype=torch.long, device=logp.device))
         window_logp = logp[torch.arange(len(window)), index.clamp(min=0)].masked_fill(index < 0, OUTSIDE_LOGP)
         return self.to_target_ids(top.indices).tolist(), top.values.tolist(), window_logp.tolist()
 
