@@ -238,3 +238,28 @@ def test_a_heads_candidates_in_one_c_call_are_torchs(kind, dtype, restricted, ta
     assert overlap == 1.0 if dtype == torch.float32 else overlap >= 0.9
     assert all(i in (ids.tolist() if restricted else range(128)) for row in fused[0] for i in row)
     assert not fused_head.install(ProxyHead(ProxyHeadConfig(kind="attention", exit_layer=2), target.hidden_size))
+
+
+def test_a_heads_c_call_on_the_avx2_and_scalar_builds(other_kernel_build, target):
+    """The same C call built as AVX2-only and plain x86-64 machines build it (their exp and top-κ paths): torch's
+    candidates, float32."""
+    from mirror_train import fastpath
+    from mirror_train.models.proxy_head import HeadEnd
+
+    g = torch.Generator().manual_seed(1)
+    cfg = ProxyHeadConfig(kind="mlp", exit_layer=2, mlp_hidden=16, kappa=8)
+    proxy = ProxyHead(cfg, target.hidden_size).bind(target)
+    with torch.no_grad():
+        for p in proxy.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    end, state = HeadEnd.of(proxy)
+    head = end.head(cfg, state, None)
+    fastpath.install_head(head, fastpath.for_draft("auto"))
+    assert "_fused_head" in head.__dict__
+    hidden = torch.randn(3, target.hidden_size, generator=g) * 2
+    fused = head.window_candidates(hidden, [1, 2], 8)
+    head.__dict__.pop("_fused_head")
+    plain = head.window_candidates(hidden, [1, 2], 8)
+    assert fused[0] == plain[0]
+    torch.testing.assert_close(torch.tensor(fused[1]), torch.tensor(plain[1]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(fused[2]), torch.tensor(plain[2]), atol=1e-4, rtol=0)
