@@ -38,15 +38,25 @@ static inline vec vsilu(vec g) {  /* g / (1 + exp(-g)), exp over the whole float
 }
 #endif
 
-/* one of the layer's linears on its weights' type (wtype): float32 0, bfloat16 1 or float16 2 (rows only), the
-   half-precision ones widened on load */
-#define LAYER_LINEAR(x, ldx, i, y, ldy, N, K)                                                                       \
-    (wpanels == 2 ? linear_dot(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K, pr) :                          \
-    wpanels ? (wtype ? linear_panels_BF16(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K)                    \
-                      : linear_panels_F32(x, ldx, (const float *)w[i], b[i], y, ldy, M, N, K))                      \
-             : (wtype == 2 ? linear_F16(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K) :                    \
-                wtype ? linear_BF16(x, ldx, (const uint16_t *)w[i], b[i], y, ldy, M, N, K)                          \
-                      : linear_F32(x, ldx, (const float *)w[i], b[i], y, ldy, M, N, K)))
+/* y (M x N, ldy apart) = x . W^T (+ b) for a linear served as (wtype: float32 0, bfloat16 1, float16 2, rows only;
+   wpanels: rows 0, panels 1, bfloat16 panels on the dot product 2, the inputs rounded to bfloat16 into pairs), the
+   half-precision ones widened on load: every C caller's one dispatch (a decoder layer's, a proxy head's) */
+static void linear_served(const float *x, int64_t ldx, const void *w, const float *b, int wtype, int wpanels,
+                          float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, uint32_t *pairs) {
+    if (wpanels == 2)
+        linear_dot(x, ldx, (const uint16_t *)w, b, y, ldy, M, N, K, pairs);
+    else if (wpanels)
+        wtype ? linear_panels_BF16(x, ldx, (const uint16_t *)w, b, y, ldy, M, N, K)
+              : linear_panels_F32(x, ldx, (const float *)w, b, y, ldy, M, N, K);
+    else if (wtype == 2)
+        linear_F16(x, ldx, (const uint16_t *)w, b, y, ldy, M, N, K);
+    else
+        wtype ? linear_BF16(x, ldx, (const uint16_t *)w, b, y, ldy, M, N, K)
+              : linear_F32(x, ldx, (const float *)w, b, y, ldy, M, N, K);
+}
+
+/* one of the layer's linears, all seven read as (wtype, wpanels) */
+#define LAYER_LINEAR(x, ldx, i, y, ldy, N, K) linear_served(x, ldx, w[i], b[i], wtype, wpanels, y, ldy, M, N, K, pr)
 
 void decoder_layer_f32(float *x, int64_t M, int64_t H, const float *ln1, const float *ln2, float eps,
                        const void *const *w, const float *const *b, int64_t I, int64_t NH, int64_t KVH, int64_t D,

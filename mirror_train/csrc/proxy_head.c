@@ -6,20 +6,10 @@
    target step's weight stream and cost 3.1-3.3 ms a step against ~1.1 ms warm, out of the rollout's deadline
    (docs/engine.md, thirty-seventh session). */
 
-/* y (M x N) = x . W^T for a linear served as (wtype: float32 0, bfloat16 1, float16 2; wpanels: rows 0, panels 1,
-   bfloat16 panels on the dot product 2: the inputs rounded to bfloat16) */
-static void head_linear(const float *x, int64_t ldx, const void *w, int wtype, int wpanels, float *y, int64_t M,
-                        int64_t N, int64_t K, uint32_t *pairs) {
-    if (wpanels == 2)
-        linear_dot(x, ldx, (const uint16_t *)w, 0, y, N, M, N, K, pairs);
-    else if (wpanels)
-        wtype ? linear_panels_BF16(x, ldx, (const uint16_t *)w, 0, y, N, M, N, K)
-              : linear_panels_F32(x, ldx, (const float *)w, 0, y, N, M, N, K);
-    else if (wtype == 2)
-        linear_F16(x, ldx, (const uint16_t *)w, 0, y, N, M, N, K);
-    else
-        wtype ? linear_BF16(x, ldx, (const uint16_t *)w, 0, y, N, M, N, K)
-              : linear_F32(x, ldx, (const float *)w, 0, y, N, M, N, K);
+/* y (M x N) = x . W^T for one of the head's linears, read as (wtype, wpanels): decoder_layer.c's linear_served */
+static inline void head_linear(const float *x, int64_t ldx, const void *w, int wtype, int wpanels, float *y,
+                               int64_t M, int64_t N, int64_t K, uint32_t *pairs) {
+    linear_served(x, ldx, w, 0, wtype, wpanels, y, N, M, N, K, pairs);
 }
 
 /* log(sum exp(l - m)) + m over a row of n logits */

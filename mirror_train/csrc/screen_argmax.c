@@ -13,10 +13,9 @@ static int64_t screen_first_max(const float *a, int64_t n) {
    is within e_v = |x^| s_v + (g |x| + |x^ - x|) n_v + c3 of the exact one (screened_head.py), s_v = |w^_v - w_v| +
    g |w^_v| and n_v = |w_v| the head's per-id constants (sv, nv: rounded up), c: max s_v, max n_v, g, what flushed
    subnormals add. lower: each row's exact logit at one id (its screened argmax): the exact maximum is at least
-   that, and any v reaching it has a_v >= lower - e_v, so v is a candidate iff a_v + e_v >= lower
-   (screen_keeps). Against a bound
-   from the largest screened logit and the largest norms (a_v >= max a - 2 max e, the thirty-third session's) this
-   keeps ~30x fewer ids on the testbed's flat rows (random-token contexts: ~150 a row -> ~3). */
+   that, and any v reaching it has a_v >= lower - e_v, so v is a candidate iff a_v + e_v >= lower (screen_keeps).
+   Against a bound from the largest screened logit and the largest norms (a_v >= max a - 2 max e, the thirty-third
+   session's) this keeps ~30x fewer ids on the testbed's flat rows (random-token contexts: ~150 a row -> ~3). */
 /* Each row's scales (alpha: of s_v, beta: of n_v) and base (the threshold before e_v: lower less c3 and a slack that
    covers float32's rounding of a_v + e_v); -1 where one is not finite. */
 static int screen_scales(const float *x, int64_t M, int64_t K, int dot, const double *c, const double *lower,
