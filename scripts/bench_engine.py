@@ -36,6 +36,34 @@ def pick_prompts(path, per_task: int):
 # StepStats times summed over a generation's verification steps for the step breakdown (`per_step`), beside its
 # step_ms
 PARTS = ("prefix_ms", "head_ms", "suffix_ms", "wait_ms", "branch_ms", "fallback_ms")
+# How Mirror-SD's next window was made after a verdict (`next_window_kind`), for where its wait goes (`print_waits`)
+KINDS = ("whole branch", "branch drafted on", "miss, c* in top-κ", "miss, c* not in top-κ")
+
+
+def next_window_kind(step) -> str | None:
+    """How the draft made the window after this step's verdict: a branch rolled out during the suffix, whole or
+    drafted on after the verdict (short of its length), or a serial rollout after a miss, where the proxy's top-κ
+    at the stop held c* (the branch was not rolled out) or did not; None where no branch was asked for."""
+    if step.reused is None:
+        return None
+    if step.reused:
+        return KINDS[1] if step.draft_forwards else KINDS[0]
+    return KINDS[2] if step.hit else KINDS[3]
+
+
+def wait_kinds(steps) -> dict:
+    """Per next-window kind: steps, and the sums of their waits, of the verdict's queueing in the draft's process
+    (behind its branch rollout) and of the draft's forwards after the verdict."""
+    out = {kind: {"steps": 0, "wait_ms": 0.0, "queued_ms": 0.0, "forwards": 0} for kind in KINDS}
+    for s in steps:
+        kind = next_window_kind(s)
+        if kind is not None:
+            k = out[kind]
+            k["steps"] += 1
+            k["wait_ms"] += s.wait_ms
+            k["queued_ms"] += s.queued_ms
+            k["forwards"] += s.draft_forwards
+    return out
 
 
 def run_methods(engine, prompts, references, methods, max_new_tokens):
@@ -63,6 +91,7 @@ def run_methods(engine, prompts, references, methods, max_new_tokens):
                     "sums": {k: sum(getattr(s, k) for s in steps) for k in PARTS},  # divided per step in `per_step`
                     "reused_steps": sum(s.reused is True for s in steps),
                     "missed_steps": sum(s.reused is False for s in steps),
+                    "wait_kinds": wait_kinds(steps),
                 }
             )
     return rows
@@ -98,6 +127,17 @@ def per_step(rows) -> dict:
     out |= {k: sum(r["sums"][k] for r in rows) / steps for k in PARTS}
     out["reused"] = sum(r["reused_steps"] for r in rows) / steps
     out["missed"] = sum(r["missed_steps"] for r in rows) / steps
+    kinds = {kind: [r["wait_kinds"][kind] for r in rows] for kind in KINDS}
+    out["waits"] = {
+        kind: {
+            "share": sum(k["steps"] for k in ks) / steps,
+            **{
+                f: sum(k[f] for k in ks) / max(sum(k["steps"] for k in ks), 1)
+                for f in ("wait_ms", "queued_ms", "forwards")
+            },
+        }
+        for kind, ks in kinds.items()
+    }
     return out
 
 
@@ -121,6 +161,25 @@ def print_steps(table) -> None:
                 f"{p['head_ms']:.1f} | {p['suffix_ms']:.1f} | {p['wait_ms']:.1f} | {p['branch_ms']:.1f} | "
                 f"{p['fallback_ms']:.1f} | {tokens:.2f} | {p['step_ms'] / tokens:.1f} | "
                 f"{p['reused']:.2f} | {p['missed']:.2f} |"
+            )
+
+
+def print_waits(table) -> None:
+    """Where Mirror-SD's wait for its next window goes, by how the window was made (`next_window_kind`)."""
+    print(
+        "\nWhere Mirror-SD's wait goes, by how the next window was made (share of steps; means over those steps: the "
+        "wait, the verdict queued in the draft's process behind its branch rollout, the draft's forwards after the "
+        "verdict; a step's wait: the kind's share × its wait, summed over the kinds, is the table above's wait)\n"
+    )
+    print(
+        "| acceptance | next window | share of steps | wait ms | queued ms | forwards after the verdict | ms a step |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for row in table:
+        for kind, w in row["methods"]["mirror"]["per_step"]["waits"].items():
+            print(
+                f"| {row['acceptance']:.1f} | {kind} | {w['share']:.3f} | {w['wait_ms']:.1f} | {w['queued_ms']:.1f} | "
+                f"{w['forwards']:.2f} | {w['share'] * w['wait_ms']:.2f} |"
             )
 
 
@@ -269,6 +328,7 @@ def main() -> None:
                 f"{fmt(m['overlap_efficiency'])} | {a['lossless'] and s['lossless'] and m['lossless']} |"
             )
         print_steps(table)
+        print_waits(table)
 
     # --- part 2: the trained draft -------------------------------------------------------------------------------
     if args.draft:
