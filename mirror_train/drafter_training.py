@@ -69,7 +69,9 @@ class DrafterModelConfig:
     # + "final" its final state where the target has finished a token (the freshest features); + "own" the draft's
     # own state where no target state exists (the tokens it rolls out; train with train.ttt_steps > 0)
     feature_slots: list[str] = field(default_factory=lambda: ["exit"])
-    exit_layer: int | None = None  # ℓe of the feature cache (and of the conditioning); None: N/2, the proxy head's
+    # ℓe of the feature cache (and of the conditioning): the proxy head's, as the engine splits the target there once;
+    # None: N/2 (the paper's; the testbed's recipes set 12, docs/proxy_head.md)
+    exit_layer: int | None = None
     freeze_embeddings_and_head: bool = True  # the same agreement, 1.6× faster steps (shared/docs/testbed.md)
     lora_rank: int | None = None  # None: full fine-tune of the layers; else LoRA on their projections
     lora_alpha: float = 32.0  # LoRA scale α/r

@@ -39,7 +39,7 @@ OUTSIDE_LOGP = -30.0  # log-prob reported for a token outside a restricted candi
 @dataclass
 class ProxyHeadConfig:
     kind: Literal["lens", "residual", "mlp", "lora_head", "attention"] = "mlp"
-    exit_layer: int = 15
+    exit_layer: int = 15  # the testbed's N/2 (the paper's); its recipe config sets 12 (docs/proxy_head.md)
     kappa: int = 4  # candidates per position the engine sends (recorded; training's margin term uses it too)
     rank: int | None = None  # residual: None = full H×H
     mlp_hidden: int = 2304
