@@ -127,17 +127,12 @@ def per_step(rows) -> dict:
     out |= {k: sum(r["sums"][k] for r in rows) / steps for k in PARTS}
     out["reused"] = sum(r["reused_steps"] for r in rows) / steps
     out["missed"] = sum(r["missed_steps"] for r in rows) / steps
-    kinds = {kind: [r["wait_kinds"][kind] for r in rows] for kind in KINDS}
-    out["waits"] = {
-        kind: {
-            "share": sum(k["steps"] for k in ks) / steps,
-            **{
-                f: sum(k[f] for k in ks) / max(sum(k["steps"] for k in ks), 1)
-                for f in ("wait_ms", "queued_ms", "forwards")
-            },
-        }
-        for kind, ks in kinds.items()
-    }
+    out["waits"] = {}
+    for kind in KINDS:
+        ks = [r["wait_kinds"][kind] for r in rows]
+        n = sum(k["steps"] for k in ks)
+        means = {f: sum(k[f] for k in ks) / max(n, 1) for f in ("wait_ms", "queued_ms", "forwards")}
+        out["waits"][kind] = {"share": n / steps, **means}
     return out
 
 
@@ -169,7 +164,7 @@ def print_waits(table) -> None:
     print(
         "\nWhere Mirror-SD's wait goes, by how the next window was made (share of steps; means over those steps: the "
         "wait, the verdict queued in the draft's process behind its branch rollout, the draft's forwards after the "
-        "verdict; a step's wait: the kind's share × its wait, summed over the kinds, is the table above's wait)\n"
+        "verdict; ms a step: the kind's share × its wait, the part of the table above's wait that kind makes)\n"
     )
     print(
         "| acceptance | next window | share of steps | wait ms | queued ms | forwards after the verdict | ms a step |"
