@@ -211,13 +211,14 @@ def install(model: nn.Module, kind: str = "auto") -> str:
     return kind
 
 
-def install_head(head: nn.Module, kind: str) -> None:
+def install_head(head: nn.Module, kind: str, weights: str = "served") -> None:
     """`install` on a proxy head and on its LM head, which it holds apart from its modules (the target's rows, or its
-    candidate vocabulary's): where it runs, on the draft's side or beside the target, it only proposes."""
+    candidate vocabulary's): where it runs, on the draft's side or beside the target, it only proposes. weights:
+    what its C call reads (EngineConfig.head_weights)."""
     installed = [install(module, kind) for module in (head.requires_grad_(False), head.lm_head)]
     # its candidates as one C call where the kernels serve it (fused_head.py): the torch path's ~30 operations ran
     # cold on the draft's side
-    fused_head.install(head, any(k in ("exact", "fastest") for k in installed))
+    fused_head.install(head, any(k in ("exact", "fastest") for k in installed), weights)
 
 
 def _widen_activations(model: nn.Module) -> bool:

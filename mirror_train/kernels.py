@@ -136,11 +136,12 @@ def _library() -> ctypes.CDLL | None:
         # x, M, H, n, layers (StackLayer[n]), cos, sin, past, n1, s2, n2, scratch
         lib.decoder_stack_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
         lib.decoder_stack_f32.restype = None
-        # x, M, H, pre, pre_eps, fin, fin_eps, weights[3], wtypes[3], wpanels[3], I, V, softcap, kappa, window, W,
-        # outside_logp, top ids, top log-probs, window log-probs, scratch
+        # x, M, H, pre, pre_eps, fin, fin_eps, weights[3], wtypes[3], wpanels[3], wscales[3], wsums[3], I, V,
+        # softcap, kappa, window, W, outside_logp, top ids, top log-probs, window log-probs, scratch
         f32 = ctypes.c_float
-        lib.proxy_head_f32.argtypes = [ptr, i64, i64, ptr, f32, ptr, f32, ptr, ptr, ptr, i64, i64, f32, i64, ptr, i64]
-        lib.proxy_head_f32.argtypes += [f32, ptr, ptr, ptr, ptr]
+        lib.proxy_head_f32.argtypes = [ptr, i64, i64, ptr, f32, ptr, f32, ptr, ptr, ptr, ptr, ptr, i64, i64, f32]
+        lib.proxy_head_f32.argtypes += [i64, ptr, i64, f32, ptr, ptr, ptr, ptr]
+        lib.q8_dot.restype = ctypes.c_int
         lib.proxy_head_f32.restype = ctypes.c_int
         lib.head_scratch_floats.argtypes = [i64] * 4
         lib.head_scratch_floats.restype = i64
@@ -217,6 +218,11 @@ def screen_dot() -> bool:
     """Whether the bfloat16 dot product (AVX512-BF16) is built here (`linear_dot`: the LM head's screen, a draft's
     `dot` path)."""
     return bool(_library().screen_dot())
+
+
+def q8_dot() -> bool:
+    """Whether AVX512-VNNI's dot product of byte quads is built here (`linear_q8.c`: a proxy head's int8 copy)."""
+    return bool(_library().q8_dot())
 
 
 def has(function: str) -> bool:

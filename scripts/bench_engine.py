@@ -219,6 +219,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=d.branch_budget)
     ap.add_argument("--candidate-vocab", type=int, default=d.candidate_vocab)
     ap.add_argument("--head-placement", default=d.head_placement, choices=["target", "draft"])
+    ap.add_argument("--head-weights", default=d.head_weights, choices=["auto", "int8", "served"], help="head's read")
     ap.add_argument("--ngram-tokens", type=int, default=d.ngram_tokens, help="prompt lookup (part 2; 0: off)")
     ap.add_argument("--adaptive-window", action=argparse.BooleanOptionalAction, default=d.adaptive_window)
     ap.add_argument(
@@ -249,6 +250,7 @@ def main() -> None:
         branch_budget=args.budget,
         candidate_vocab=args.candidate_vocab,
         head_placement=args.head_placement,
+        head_weights=args.head_weights,
         draft_dtype=args.draft_dtype,
         ngram_tokens=args.ngram_tokens,
         adaptive_window=args.adaptive_window,

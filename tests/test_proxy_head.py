@@ -240,9 +240,80 @@ def test_a_heads_candidates_in_one_c_call_are_torchs(kind, dtype, restricted, ta
     assert not fused_head.install(ProxyHead(ProxyHeadConfig(kind="attention", exit_layer=2), target.hidden_size))
 
 
+def _int8_linear(x: torch.Tensor, weight: torch.Tensor, q8: bool) -> torch.Tensor:
+    """What the C call's int8 linear computes (fused_head.quantize_rows; csrc/linear_q8.c), in float64: int8 weight
+    rows times their scale; on the dot product (q8) the inputs rounded to 8 bits per row too, the sum exact."""
+    from mirror_train.fused_head import quantize_rows
+
+    wq, ws = quantize_rows(weight)
+    x = x.float()
+    if q8:  # each row's largest magnitude to 127, rounded to nearest in float32 as the C code does
+        xs = x.abs().amax(-1, keepdim=True) / 127
+        xs = torch.where(xs > 0, xs, torch.ones_like(xs))
+        x = (x * (1 / xs)).round().clamp(-127, 127).double() * xs.double()
+    return (x.double() @ wq.double().T * ws.double()).float()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the kernels")
+@pytest.mark.parametrize("kind", ["mlp", "lens"])
+@pytest.mark.parametrize("q8", [True, False])
+@pytest.mark.parametrize("rows", [1, 5, 11])
+def test_a_heads_int8_copy_computes_what_its_quantized_weights_do(kind, q8, rows, target, monkeypatch):
+    """head_weights=int8: the head's C call reads int8 copies of its linears, on AVX512-VNNI's dot product (q8,
+    its inputs rounded to 8 bits) or widened to float32 (elsewhere): its candidates are torch's with every linear
+    replaced by that arithmetic (`_int8_linear`), over whole and part panels (a restricted vocabulary of 61 ids,
+    the tiny target's 128), and 1, 5 and 11 rows (the kernel's tiles hold 8)."""
+    from mirror_train import fastpath
+    from mirror_train.models.proxy_head import HeadEnd
+
+    if q8 and not kernels.q8_dot():
+        pytest.skip("no AVX512-VNNI here: the int8 copy is read as rows")
+    monkeypatch.setattr(kernels, "q8_dot", lambda real=kernels.q8_dot: q8 and real())
+    g = torch.Generator().manual_seed(2)
+    cfg = ProxyHeadConfig(kind=kind, exit_layer=2, mlp_hidden=40, kappa=8)
+    proxy = ProxyHead(cfg, target.hidden_size).bind(target)
+    with torch.no_grad():
+        for p in proxy.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    for ids in (None, torch.arange(3, 125, 2)):
+        proxy.restrict(ids)
+        end, state = HeadEnd.of(proxy)
+        head = end.head(cfg, state, ids)
+        fastpath.install_head(head, fastpath.for_draft("auto"), "int8")
+        assert "_fused_head" in head.__dict__
+        hidden = torch.randn(rows, target.hidden_size, generator=g) * 2
+        window = [5, 7, 9, 11][: rows - 1]
+        fused = head.window_candidates(hidden, window, 8)
+        head.__dict__.pop("_fused_head")
+        linears = ([head.fc1, head.fc2] if kind == "mlp" else []) + [head._head.proj]
+        for m in linears:
+            monkeypatch.setattr(m, "forward", lambda x, m=m: _int8_linear(x, m.weight, q8))
+        plain = head.window_candidates(hidden, window, 8)
+        for m in linears:
+            monkeypatch.delattr(m, "forward")
+        for got, want in zip(fused[1], plain[1]):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(fused[2]), torch.tensor(plain[2]), atol=1e-4, rtol=0)
+        assert fused[0] == plain[0]
+
+
+def test_head_weights_auto_is_int8_where_the_dot_product_of_byte_quads_is_built():
+    from mirror_train import fused_head
+
+    want = "int8" if kernels.available() and kernels.q8_dot() else "served"
+    assert fused_head.resolve_weights("auto") == want
+    assert fused_head.resolve_weights("served") == "served"
+    with pytest.raises(ValueError, match="head weights"):
+        fused_head.resolve_weights("int4")
+    with pytest.raises(MirrorTrainError, match="head_weights"):
+        from mirror_train.engine import EngineConfig
+
+        EngineConfig(head_weights="int4").validate()
+
+
 def test_a_heads_c_call_on_the_avx2_and_scalar_builds(other_kernel_build, target):
-    """The same C call built as AVX2-only and plain x86-64 machines build it (their exp and top-κ paths): torch's
-    candidates, float32."""
+    """The same C call built as AVX2-only and plain x86-64 machines build it (their exp and top-κ paths, their int8
+    rows widened on load): torch's candidates, float32, with the served weights and with int8 copies."""
     from mirror_train import fastpath
     from mirror_train.models.proxy_head import HeadEnd
 
@@ -254,12 +325,19 @@ def test_a_heads_c_call_on_the_avx2_and_scalar_builds(other_kernel_build, target
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     end, state = HeadEnd.of(proxy)
     head = end.head(cfg, state, None)
-    fastpath.install_head(head, fastpath.for_draft("auto"))
-    assert "_fused_head" in head.__dict__
     hidden = torch.randn(3, target.hidden_size, generator=g) * 2
-    fused = head.window_candidates(hidden, [1, 2], 8)
-    head.__dict__.pop("_fused_head")
-    plain = head.window_candidates(hidden, [1, 2], 8)
-    assert fused[0] == plain[0]
-    torch.testing.assert_close(torch.tensor(fused[1]), torch.tensor(plain[1]), atol=1e-4, rtol=0)
-    torch.testing.assert_close(torch.tensor(fused[2]), torch.tensor(plain[2]), atol=1e-4, rtol=0)
+    assert not kernels.q8_dot()  # no AVX512-VNNI in these builds: an int8 copy is read as rows
+    for weights in ("served", "int8"):
+        fastpath.install_head(head, fastpath.for_draft("auto"), weights)
+        assert "_fused_head" in head.__dict__
+        fused = head.window_candidates(hidden, [1, 2], 8)
+        head.__dict__.pop("_fused_head")
+        linears = [head.fc1, head.fc2, head._head.proj] if weights == "int8" else []
+        for m in linears:
+            m.forward = lambda x, m=m: _int8_linear(x, m.weight, False)
+        plain = head.window_candidates(hidden, [1, 2], 8)
+        for m in linears:
+            del m.forward
+        assert fused[0] == plain[0]
+        torch.testing.assert_close(torch.tensor(fused[1]), torch.tensor(plain[1]), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(fused[2]), torch.tensor(plain[2]), atol=1e-4, rtol=0)

@@ -109,6 +109,7 @@ static void T##_narrow_run_##MB(const float *x, int64_t ldx, const WT *w, int64_
 #define F32_WIDE_FROM_1 0
 #define BF16_WIDE_FROM_1 1
 #define F16_WIDE_FROM_1 1
+#define I8_WIDE_FROM_1 1
 #define LINEAR(T, WT)                                                                                              \
 BLOCK(T, WT, wide, WIDE_NB, 1, 0, 0) BLOCK(T, WT, wide, WIDE_NB, 2, 0, 0)                                          \
 BLOCK(T, WT, wide, WIDE_NB, 3, 0, 0) BLOCK(T, WT, wide, WIDE_NB, 4, 0, 0)                                          \
@@ -151,3 +152,4 @@ void linear_##T(const float *x, int64_t ldx, const WT *w, const float *b, float 
 LINEAR(F32, float)
 LINEAR(BF16, uint16_t)
 LINEAR(F16, uint16_t)
+LINEAR(I8, int8_t)

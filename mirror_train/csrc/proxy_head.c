@@ -6,10 +6,28 @@
    target step's weight stream and cost 3.1-3.3 ms a step against ~1.1 ms warm, out of the rollout's deadline
    (docs/engine.md, thirty-seventh session). */
 
-/* y (M x N) = x . W^T for one of the head's linears, read as (wtype, wpanels): decoder_layer.c's linear_served */
-static inline void head_linear(const float *x, int64_t ldx, const void *w, int wtype, int wpanels, float *y,
-                               int64_t M, int64_t N, int64_t K, uint32_t *pairs) {
-    linear_served(x, ldx, w, 0, wtype, wpanels, y, N, M, N, K, pairs);
+/* y (M x N) = x . W^T for one of the head's linears, read as (wtype, wpanels): decoder_layer.c's linear_served, or
+   wtype 3, int8 with a float32 scale per row (`scale`): as panels on the dot product of byte quads (wpanels 1,
+   linear_q8.c: `wsum` their sums) or as rows widened to float32, each output scaled after its sum */
+static inline void head_linear(const float *x, int64_t ldx, const void *w, int wtype, int wpanels, const float *scale,
+                               const int32_t *wsum, float *y, int64_t M, int64_t N, int64_t K, uint32_t *pairs) {
+    if (wtype != 3) {
+        linear_served(x, ldx, w, 0, wtype, wpanels, y, N, M, N, K, pairs);
+        return;
+    }
+    if (wpanels) {
+        linear_q8(x, ldx, (const int8_t *)w, scale, wsum, y, N, M, N, K, pairs);
+        return;
+    }
+    linear_I8(x, ldx, (const int8_t *)w, 0, y, N, M, N, K);
+    for (int64_t m = 0; m < M; m++) {
+        float *r = y + m * N;
+        int64_t n = 0;
+#if LANES > 1
+        for (; n + LANES <= N; n += LANES) VSTORE(r + n, VMUL(VLOAD(r + n), VLOAD(scale + n)));
+#endif
+        for (; n < N; n++) r[n] *= scale[n];
+    }
 }
 
 /* log(sum exp(l - m)) + m over a row of n logits */
@@ -39,7 +57,8 @@ static void head_top(const float *l, int64_t n, int64_t kappa, int64_t *ids, flo
     }
 }
 
-/* w: fc1 (I x H), fc2 (H x I), the LM head's rows (V x H), each read as (wtypes[i], wpanels[i]); fc1 NULL: no
+/* w: fc1 (I x H), fc2 (H x I), the LM head's rows (V x H), each read as (wtypes[i], wpanels[i]; wscales[i], wsums[i]:
+   the row scales and sums of an int8 one, wtype 3); fc1 NULL: no
    adapter (the lens). pre: the adapter's norm weight (float32, H) and pre_eps, fin: the final norm's. softcap > 0:
    logits capped as cap tanh(l / cap). window: W <= M indices into the V logits (-1: outside them), row j's drafted
    token's; window_logp gets each one's log-prob (outside_logp for -1). Returns 0, or -1 (kappa out of range, W > M
@@ -49,7 +68,8 @@ int64_t head_scratch_floats(int64_t M, int64_t H, int64_t I, int64_t V) {
 }
 
 int proxy_head_f32(const float *x, int64_t M, int64_t H, const float *pre, float pre_eps, const float *fin,
-                   float fin_eps, const void *const *w, const int *wtypes, const int *wpanels, int64_t I, int64_t V,
+                   float fin_eps, const void *const *w, const int *wtypes, const int *wpanels, const float *const *wscales,
+                   const int32_t *const *wsums, int64_t I, int64_t V,
                    float softcap, int64_t kappa, const int64_t *window, int64_t W, float outside_logp, int64_t *top_ids,
                    float *top_logp, float *window_logp, float *scratch) {
     if (kappa < 1 || kappa > V || W > M) return -1;
@@ -58,17 +78,17 @@ int proxy_head_f32(const float *x, int64_t M, int64_t H, const float *pre, float
     for (int64_t i = 0; i < M * H; i++) h[i] = x[i];
     if (w[0]) {  /* the MLP adapter */
         rms_norm(x, pre, pre_eps, n, M, H);
-        head_linear(n, H, w[0], wtypes[0], wpanels[0], g, M, I, H, pairs);
+        head_linear(n, H, w[0], wtypes[0], wpanels[0], wscales[0], wsums[0], g, M, I, H, pairs);
         int64_t t = 0;
 #if LANES > 1
         for (; t + LANES <= M * I; t += LANES) VSTORE(g + t, vsilu(VLOAD(g + t)));
 #endif
         for (; t < M * I; t++) g[t] = g[t] / (1.0f + expf(-g[t]));
-        head_linear(g, I, w[1], wtypes[1], wpanels[1], o, M, H, I, pairs);
+        head_linear(g, I, w[1], wtypes[1], wpanels[1], wscales[1], wsums[1], o, M, H, I, pairs);
         for (int64_t i = 0; i < M * H; i++) h[i] += o[i];
     }
     rms_norm(h, fin, fin_eps, n, M, H);
-    head_linear(n, H, w[2], wtypes[2], wpanels[2], l, M, V, H, pairs);
+    head_linear(n, H, w[2], wtypes[2], wpanels[2], wscales[2], wsums[2], l, M, V, H, pairs);
     for (int64_t m = 0; m < M; m++) {
         float *lr = l + m * V;
         if (softcap > 0)

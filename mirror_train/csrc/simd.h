@@ -132,6 +132,18 @@ static inline float f16_to_f32(uint16_t h) {
 #define F16_LOAD(p) f16_to_f32(*(p))
 #endif
 
+/* Weights in int8 with a float32 scale per output row (a proxy head's proposal-only copy: fused_head.py), widened
+   exactly to float32 on load; the caller multiplies each output by its row's scale. Half the bytes of bfloat16 to
+   stream, where the head's 16,384 x 576 rows are read beside the target's own weight stream. */
+#define I8_SCALAR(p) ((float)*(p))
+#if LANES == 16
+#define I8_LOAD(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#elif LANES == 8
+#define I8_LOAD(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#else
+#define I8_LOAD(p) ((float)*(p))
+#endif
+
 /* KEEP_X: the tall blocks hold each input chunk in a register for its NB FMAs. Left to itself, GCC 12 folds the
    load into every FMA (NB loads of the same chunk): at 3 x 8 that is 27 vector loads for 24 FMAs, and a Zen 4 core
    loads one 512-bit vector a cycle, so the block ran load-bound at ~70% of the FMA peak (81 of 117 GFLOP/s from

@@ -42,8 +42,8 @@ class DraftUnavailable(Exception):
 def build_server(spec: dict):
     """A DraftServer from a picklable spec: {"kind": "model", "path", "device", "use_streams"} or
     {"kind": "synthetic", "config": SyntheticDraftConfig fields, "vocab_size"}, plus "branch_budget",
-    "adaptive_budget", "kappa", "dtype" (of the draft and the head here) and "head" (the path of a proxy-head
-    bundle when the head runs on this side)."""
+    "adaptive_budget", "kappa", "dtype" (of the draft and the head here), "head" (the path of a proxy-head
+    bundle when the head runs on this side) and "head_weights" (what its C call reads: EngineConfig.head_weights)."""
     dtype = getattr(torch, spec.get("dtype", "float32"))
     if spec["kind"] == "ngram":  # prompt lookup alone: no model
         backend = None
@@ -58,7 +58,7 @@ def build_server(spec: dict):
         bundle = torch.load(spec["head"], weights_only=False, map_location=spec.get("device", "cpu"))
         head = bundle["end"].to(dtype).head(bundle["cfg"], bundle["state"], bundle["vocab_ids"]).to(dtype)
         # like the draft, it only proposes: the fastest path per call (bf16, 5 rows here: 4.1 → 1.7 ms, docs/engine.md)
-        fastpath.install_head(head, spec.get("fast_path", "none"))
+        fastpath.install_head(head, spec.get("fast_path", "none"), spec.get("head_weights", "served"))
     store = Datastore.load(spec["datastore"]) if spec.get("datastore") else None
     return DraftServer(
         backend,

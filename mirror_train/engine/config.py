@@ -81,6 +81,13 @@ class EngineConfig:
     # of a call on whichever of torch, oneDNN and the row-exact kernel measured fastest, the attention of a few
     # half-precision rows as grouped matmuls): they only propose, so their rounding never changes the output.
     draft_fast_path: Literal["auto", "fastest", "exact", "onednn", "none"] = "auto"
+    # The weights the proxy head's C call reads where the CPU kernels compute it (fused_head.py), on either side:
+    # "int8" = int8 copies of its linears, a scale per row, its inputs rounded to 8 bits on AVX512-VNNI's dot product
+    # (half bfloat16's bytes: on the draft's side its 16,384 x 576 rows stream beside the target's weights and their
+    # time comes out of the branch rollout's); "served" = as the fast path serves them; "auto" = int8 where the dot
+    # product is built (csrc/linear_q8.c), else served. It only proposes: its hit_8 against the target's tokens
+    # was the same (docs/engine.md, forty-first session).
+    head_weights: Literal["auto", "int8", "served"] = "auto"
     # Verify the draft's chain and a copied one together in one pass where both promise tokens (a forked window:
     # forked_window.py), on the row-exact kernels, where a row costs ~4% of a step and every row is exact.
     forked_windows: bool = True
@@ -117,6 +124,8 @@ class EngineConfig:
             raise MirrorTrainError(f"head_placement must be target or draft, got {self.head_placement!r}")
         if not 0 <= self.ngram_tokens <= MAX_GAMMA:
             raise MirrorTrainError(f"ngram_tokens must be in 0..{MAX_GAMMA}, got {self.ngram_tokens}")
+        if self.head_weights not in ("auto", "int8", "served"):
+            raise MirrorTrainError(f"head_weights must be auto, int8 or served, got {self.head_weights!r}")
         if self.copies not in ("target", "draft"):
             raise MirrorTrainError(f"copies must be target or draft, got {self.copies!r}")
         if self.datastore not in ("auto", "off") and not os.path.isfile(self.datastore):

@@ -117,7 +117,7 @@ class MirrorEngine:
             # a 5-row window over 16,384 candidate rows cost the target's step 7.7–8.4 ms on a Zen 4 EPYC
             # (docs/engine.md, thirtieth session). The attention kind runs the target's own layer code, and a LoRA'd
             # head is peft's.
-            fastpath.install_head(self.head, fastpath.for_draft(cfg.draft_fast_path))
+            fastpath.install_head(self.head, fastpath.for_draft(cfg.draft_fast_path), cfg.head_weights)
         self.stops = set(stop_token_ids(target.tokenizer, target.config)) if target.tokenizer is not None else set()
         self._tmp = tempfile.TemporaryDirectory(prefix="mirror-engine-")  # what the worker loads: draft, head bundle
         # the worker's spec, and the target's states the draft reads (exit, final): they cross every step

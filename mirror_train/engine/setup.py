@@ -65,6 +65,7 @@ def draft_spec(target: Target, cfg: EngineConfig, draft, head: ProxyHead, workdi
     }
     if cfg.head_placement == "draft":
         common["head"] = head_bundle(head, workdir)
+        common["head_weights"] = cfg.head_weights
     if isinstance(draft, SyntheticDraftConfig):
         draft.validate()
         return {"kind": "synthetic", "config": asdict(draft), "vocab_size": target.vocab_size, **common}, []
