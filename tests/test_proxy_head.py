@@ -199,6 +199,17 @@ def test_a_head_served_on_the_drafts_side_routes_its_linears_and_scores_the_same
         torch.testing.assert_close(served(hidden), head(hidden), atol=1e-4, rtol=1e-4)
 
 
+def _random_head(target, kind: str, mlp_hidden: int, seed: int) -> tuple[ProxyHead, ProxyHeadConfig, torch.Generator]:
+    """A proxy head bound to `target` with random weights (its generator, to draw inputs from after them)."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = ProxyHeadConfig(kind=kind, exit_layer=2, mlp_hidden=mlp_hidden, kappa=8)
+    proxy = ProxyHead(cfg, target.hidden_size).bind(target)
+    with torch.no_grad():
+        for p in proxy.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return proxy, cfg, g
+
+
 @pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the kernels")
 @pytest.mark.parametrize("kind", ["mlp", "lens", "residual"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -211,12 +222,7 @@ def test_a_heads_candidates_in_one_c_call_are_torchs(kind, dtype, restricted, ta
     from mirror_train import fastpath, fused_head
     from mirror_train.models.proxy_head import OUTSIDE_LOGP, HeadEnd
 
-    g = torch.Generator().manual_seed(0)
-    cfg = ProxyHeadConfig(kind=kind, exit_layer=2, mlp_hidden=16, kappa=8)
-    proxy = ProxyHead(cfg, target.hidden_size).bind(target)
-    with torch.no_grad():
-        for p in proxy.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    proxy, cfg, g = _random_head(target, kind, 16, 0)
     ids = torch.arange(3, 128, 2) if restricted else None
     proxy.restrict(ids)
     end, state = HeadEnd.of(proxy)
@@ -269,12 +275,7 @@ def test_a_heads_int8_copy_computes_what_its_quantized_weights_do(kind, q8, rows
     if q8 and not kernels.q8_dot():
         pytest.skip("no AVX512-VNNI here: the int8 copy is read as rows")
     monkeypatch.setattr(kernels, "q8_dot", lambda real=kernels.q8_dot: q8 and real())
-    g = torch.Generator().manual_seed(2)
-    cfg = ProxyHeadConfig(kind=kind, exit_layer=2, mlp_hidden=40, kappa=8)
-    proxy = ProxyHead(cfg, target.hidden_size).bind(target)
-    with torch.no_grad():
-        for p in proxy.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    proxy, cfg, g = _random_head(target, kind, 40, 2)
     for ids in (None, torch.arange(3, 125, 2)):
         proxy.restrict(ids)
         end, state = HeadEnd.of(proxy)
@@ -317,12 +318,7 @@ def test_a_heads_c_call_on_the_avx2_and_scalar_builds(other_kernel_build, target
     from mirror_train import fastpath
     from mirror_train.models.proxy_head import HeadEnd
 
-    g = torch.Generator().manual_seed(1)
-    cfg = ProxyHeadConfig(kind="mlp", exit_layer=2, mlp_hidden=16, kappa=8)
-    proxy = ProxyHead(cfg, target.hidden_size).bind(target)
-    with torch.no_grad():
-        for p in proxy.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    proxy, cfg, g = _random_head(target, "mlp", 16, 1)
     end, state = HeadEnd.of(proxy)
     head = end.head(cfg, state, None)
     hidden = torch.randn(3, target.hidden_size, generator=g) * 2
