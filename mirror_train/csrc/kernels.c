@@ -2,7 +2,7 @@
    kernels.py with `cc -O3 -march=native -ffp-contract=off -shared -fPIC` and loaded with ctypes. The parts in the
    order each needs the ones before it; the exported functions are the ones without `static`. */
 #include "simd.h"          /* the vector type and its operations: AVX-512, AVX2 + FMA, or scalar */
-#include "linear_rows.c"   /* y = x . W^T on weights as rows (linear_F32, linear_BF16) */
+#include "linear_rows.c"   /* y = x . W^T on weights as rows (linear_F32, linear_BF16, linear_F16, linear_I8) */
 #include "linear_panels.c" /* the same on weights as panels (linear_panels_F32, linear_panels_BF16) */
 
 int kernel_lanes(void) { return LANES; }
