@@ -68,6 +68,8 @@ def install(head: nn.Module, on: bool = True, weights: str = "served") -> bool:
     if on and supported(head):
         head.__dict__["_fused_head"] = None  # the call's view, made at the first call (`_view`)
         head.__dict__["_head_weights"] = weights
+        if weights == "int8":  # its copies made now (tens of ms), not in the first step's branch rollout
+            _view(head)
         return True
     return False
 
