@@ -141,8 +141,8 @@ def _library() -> ctypes.CDLL | None:
         f32 = ctypes.c_float
         lib.proxy_head_f32.argtypes = [ptr, i64, i64, ptr, f32, ptr, f32, ptr, ptr, ptr, ptr, ptr, i64, i64, f32]
         lib.proxy_head_f32.argtypes += [i64, ptr, i64, f32, ptr, ptr, ptr, ptr]
-        lib.q8_dot.restype = ctypes.c_int
         lib.proxy_head_f32.restype = ctypes.c_int
+        lib.q8_dot.restype = ctypes.c_int
         lib.head_scratch_floats.argtypes = [i64] * 4
         lib.head_scratch_floats.restype = i64
     except (OSError, AttributeError):  # not loadable here, or not the library this source builds

@@ -49,7 +49,7 @@ static void q8_inputs(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t
 }
 
 /* y (M x N, ldy apart) from x (M x K) and N weight rows in panels (above); ws, wsum: per row. scratch: M x K4 words
-   and M floats (q8_scratch_words). */
+   and M floats (the head's pair scratch, which holds more: proxy_head.c). */
 static void linear_q8(const float *x, int64_t ldx, const int8_t *panels, const float *ws, const int32_t *wsum,
                       float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, uint32_t *scratch) {
     int64_t K4 = (K + 3) / 4, P = (N + LANES - 1) / LANES, ps = K4 * 64;
@@ -84,6 +84,3 @@ static void linear_q8(const float *x, int64_t ldx, const int8_t *panels, const f
     (void)scratch;  /* never called: fused_head reads int8 rows where q8_dot() is 0 */
 }
 #endif
-
-/* the words linear_q8's scratch takes for M input rows of K */
-int64_t q8_scratch_words(int64_t M, int64_t K) { return M * ((K + 3) / 4) + M + 16; }

@@ -9,7 +9,7 @@ from typing import Literal
 
 import torch
 
-from mirror_train import fastpath, static_step
+from mirror_train import fastpath, fused_head, static_step
 from mirror_train.devices import draft_device, resolve_device, resolve_dtype
 from mirror_train.errors import MirrorTrainError
 from mirror_train.metrics import check_kappa
@@ -124,7 +124,7 @@ class EngineConfig:
             raise MirrorTrainError(f"head_placement must be target or draft, got {self.head_placement!r}")
         if not 0 <= self.ngram_tokens <= MAX_GAMMA:
             raise MirrorTrainError(f"ngram_tokens must be in 0..{MAX_GAMMA}, got {self.ngram_tokens}")
-        if self.head_weights not in ("auto", "int8", "served"):
+        if self.head_weights not in fused_head.WEIGHTS:
             raise MirrorTrainError(f"head_weights must be auto, int8 or served, got {self.head_weights!r}")
         if self.copies not in ("target", "draft"):
             raise MirrorTrainError(f"copies must be target or draft, got {self.copies!r}")
