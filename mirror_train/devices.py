@@ -134,19 +134,25 @@ def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
 
 
 @contextmanager
-def pinned(core: int | None, threads: int):
-    """Run the block on one core with `threads` intra-op threads (the target's side of the two-device layout).
-    Where the OS cannot pin a thread to a core (macOS), only the thread count is set."""
+def pinned(cores: int | set[int] | None, threads: int):
+    """Run the block on one core (the target's side of the two-device layout), or on a set of cores (a prompt's
+    prefill spread over every core the engine holds), with `threads` intra-op threads; the affinity and thread count
+    before it are restored after. Where the OS cannot pin a thread to a core (macOS), only the thread count is set."""
     if not hasattr(os, "sched_setaffinity"):
-        core = None
+        cores = None
     before_threads = torch.get_num_threads()
-    before_cores = os.sched_getaffinity(0) if core is not None else None
-    if core is not None:
-        os.sched_setaffinity(0, {core})
+    before_cores = os.sched_getaffinity(0) if cores is not None else None
+    if cores is not None:
+        os.sched_setaffinity(0, {cores} if isinstance(cores, int) else set(cores))
     torch.set_num_threads(threads)
     try:
         yield
     finally:
         torch.set_num_threads(before_threads)
-        if core is not None:
+        if cores is not None:
             os.sched_setaffinity(0, before_cores)
+
+
+def usable_cores() -> set[int] | None:
+    """The cores this process may run on (None where the OS does not say: macOS)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None

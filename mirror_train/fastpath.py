@@ -42,12 +42,13 @@ from __future__ import annotations
 import bisect
 import functools
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from mirror_train import alignment, attention, fused_head, fused_layer, kernels, screened_head
-from mirror_train.devices import resolve_dtype
+from mirror_train.devices import pinned, resolve_dtype
 from mirror_train.errors import MirrorTrainError
 from mirror_train.timing import median_ms
 
@@ -346,9 +347,51 @@ def _needs_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
 
 
+# The intra-op threads of the prompt's prefill running now (`spread`), 0 outside one: its linears of many rows take
+# the threaded GEMM from the row count where it beats the one-thread row-exact kernel (`spread_rows`)
+_spread_threads = 0
+SPREAD_MIN_ROWS = 8  # fewer rows (the prefill's LM head row) stay on the kernel: a GEMM is not worth its threads
+
+
+@contextmanager
+def spread(layout: tuple[set[int] | None, int]):
+    """A prompt's prefill spread over `layout` = (cores, threads) (EngineConfig.prefill_layout, devices.pinned): its
+    linears of `spread_rows` rows or more run torch's threaded GEMM (`prefill_linear`) rather than the one-thread
+    row-exact kernel, which past MAX_ROWS rows they do anyway. A prefill is every method's alike and never a window
+    (windows stay row-exact)."""
+    global _spread_threads
+    before = _spread_threads
+    with pinned(*layout):
+        _spread_threads = layout[1]
+        try:
+            yield
+        finally:
+            _spread_threads = before
+
+
+@functools.cache
+def spread_rows(shape: tuple[int, int], bias: bool, dtype: torch.dtype, threads: int) -> int:
+    """The fewest rows from which the prefill's GEMM (`prefill_linear` on `threads` threads: called inside `spread`)
+    beats the one-thread row-exact kernel for a layer shape, timed once per process at 64, 32, 16 and 8 rows on
+    random weights (the kernel streams its weights on one core; on the two-vCPU AMX Xeon the threaded GEMM won the
+    testbed's prefill from 16 rows, docs/engine.md, forty-second session); past MAX_ROWS where it never does."""
+    n, k = shape
+    crossover = kernels.MAX_ROWS + 1
+    with torch.inference_mode():
+        w, b = torch.randn(n, k, dtype=dtype), (torch.randn(n, dtype=dtype) if bias else None)
+        for rows in (64, 32, 16, SPREAD_MIN_ROWS):  # from the most rows down: the GEMM's lead shrinks with fewer
+            x = torch.randn(1, rows, k, dtype=torch.float32)
+            gemm = median_ms(lambda x=x: prefill_linear(x, w, b), repeats=3, warmup=1)  # on `threads` (spread)
+            if gemm >= median_ms(lambda x=x: kernels.linear(x, w, b), repeats=3, warmup=1):
+                break
+            crossover = rows
+    return crossover
+
+
 class ExactLinear(nn.Linear):
     """An nn.Linear whose inference forward runs the row-exact kernel (kernels.py) for float32 or bfloat16 CPU calls
-    of up to `kernels.MAX_ROWS` rows; a prompt's prefill takes the GEMM measured faster here (`prefill_path`);
+    of up to `kernels.MAX_ROWS` rows; a prompt's prefill takes the GEMM measured faster here (`prefill_path`), and
+    one spread over several threads (`spread`) from the rows where the threaded GEMM wins (`spread_rows`);
     anything else (training, another dtype or device) takes torch's path."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -357,6 +400,10 @@ class ExactLinear(nn.Linear):
             return nn.functional.linear(x, w, self.bias)
         if x.numel() > kernels.MAX_ROWS * self.in_features:
             return prefill_linear(x, w, self.bias)
+        if _spread_threads > 1 and x.numel() >= SPREAD_MIN_ROWS * self.in_features:
+            shape = (tuple(w.shape), self.bias is not None, w.dtype, _spread_threads)
+            if x.numel() >= spread_rows(*shape) * self.in_features:
+                return prefill_linear(x, w, self.bias)
         rows, panels = kernels.served(self)  # the weight, or its bfloat16 copy (kernels.serve_narrow); its panels
         return kernels.linear(x, rows, self.bias, panels)
 

@@ -852,6 +852,7 @@ def test_sampling_follows_the_targets_distribution(peaked_target):
         ("head_placement", "elsewhere", "head_placement"),
         ("draft_dtype", "float16", "dtype"),
         ("datastore", "/no/such/datastore.npz", "datastore"),
+        ("prefill_threads", 0, "prefill_threads"),
     ],
 )
 def test_a_bad_config_is_refused_before_any_worker_starts(target, draft, field, value, message):
@@ -1130,6 +1131,37 @@ def test_the_oracle_walk_of_scripts_bench_draft_value(target, draft, prompts, re
     # this draft (the target's own first layers) and the copies of these looping answers both match: the best of
     # them takes fewer steps than either alone
     assert total["model + copies"] < min(total["copies"], total["model"]) < 3 * MAX_NEW
+
+
+def test_a_prompts_prefill_spreads_over_every_core_and_the_steps_stay_on_the_targets(target, draft, prompts, references):
+    """The prefill runs on every core this process may use, a thread each (EngineConfig.prefill_threads), the draft's
+    process prefilling after it; the steps go back to the target's core and thread. Every method prefills alike, so
+    all stay the target's greedy output; with prefill_threads=1 the prefill runs as the steps do."""
+    cores = os.sched_getaffinity(0)
+    seen = []
+    prefill = target.prefill
+
+    def watched(*args, **kwargs):
+        seen.append((torch.get_num_threads(), os.sched_getaffinity(0)))
+        return prefill(*args, **kwargs)
+
+    before = torch.get_num_threads()
+    target.prefill = watched
+    try:
+        for threads in (None, 1):
+            cfg = EngineConfig(kappa=4, gamma=3, placement="process", prefill_threads=threads, **ANY_CORE)
+            assert cfg.prefill_layout(torch.device("meta")) is None  # not a CPU: the prefill runs as the steps do
+            layout = cfg.prefill_layout(target.device)
+            assert layout == (None if threads == 1 or len(cores) == 1 else (cores, len(cores)))
+            seen.clear()
+            with MirrorEngine(target, None, draft, cfg) as engine:
+                for method in ("ar", "mirror"):
+                    for prompt, ref in zip(prompts, references):
+                        assert engine.generate(prompt, MAX_NEW, method=method, stop=[]).tokens == ref, method
+                        assert torch.get_num_threads() == before
+            assert seen == [layout[::-1] if layout else (cfg.threads, cores)] * (2 * len(prompts))
+    finally:
+        target.prefill = prefill
 
 
 @pytest.mark.parametrize("copies", ["target", "draft"])

@@ -558,6 +558,32 @@ def test_a_prefill_past_the_kernels_rows_takes_the_gemm_measured_faster_and_comp
 
 
 @needs_kernel
+def test_a_spread_prefill_takes_the_threaded_gemm_from_its_measured_rows_and_nothing_else_does():
+    """Inside `fastpath.spread` (a prompt's prefill on several threads) an exact linear of at least `spread_rows`
+    rows is the prefill's GEMM, bit for bit, and of fewer the row-exact kernel; outside it (every window) the kernel
+    up to MAX_ROWS rows, whatever the rows. The threads are the layout's inside and what they were after."""
+    model = nn.Sequential(nn.Linear(96, 80))
+    fastpath.install(model, "exact")
+    linear = model[0]
+    before = torch.get_num_threads()
+    xs = {rows: torch.randn(1, rows, 96, generator=torch.Generator().manual_seed(rows)) for rows in (1, 8, 16, 32, 64)}
+    with torch.inference_mode():
+        outside = {rows: linear(x) for rows, x in xs.items()}
+        with fastpath.spread((None, before + 1)):
+            assert torch.get_num_threads() == before + 1
+            crossover = fastpath.spread_rows((80, 96), True, torch.float32, before + 1)
+            inside = {rows: linear(x) for rows, x in xs.items()}
+            gemm = {rows: fastpath.prefill_linear(x, linear.weight, linear.bias) for rows, x in xs.items()}
+        assert torch.get_num_threads() == before
+        for rows in xs:
+            threaded = rows >= max(crossover, fastpath.SPREAD_MIN_ROWS)
+            assert torch.equal(inside[rows], gemm[rows] if threaded else outside[rows]), rows
+            assert torch.equal(linear(xs[rows]), outside[rows]), rows  # after it: the kernel again
+        torch.testing.assert_close(inside[64], outside[64], atol=1e-5, rtol=1e-5)  # the same function
+    assert crossover in (8, 16, 32, 64, kernels.MAX_ROWS + 1)
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", ["exact", "fastest"])
 def test_gradients_reach_the_input_through_a_frozen_fast_linear(kind):
     """The kernel and oneDNN's ops have no backward: a call whose input needs a gradient takes torch's path even

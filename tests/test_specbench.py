@@ -166,3 +166,28 @@ def test_pld_store_runs_where_a_datastore_is_at_hand(tmp_path):
     Datastore.build([[1, 2, 3, 4]]).save(elsewhere)
     cfg = SpecBenchConfig(methods=methods, engine=EngineConfig(datastore=str(elsewhere)))
     assert _servable(cfg) == ["ar", "pld", "pld_store"]
+
+
+def test_a_peers_prompt_prefill_spreads_as_the_engines_and_its_steps_do_not():
+    """transformers' generate under `PrefillSpread`: its first forward (the prompt's prefill) on the engine's prefill
+    layout, every later forward on the threads around it, and the same tokens as without it."""
+    import torch
+
+    from mirror_train.eval.peers import PrefillSpread, greedy_generate
+    from tests.conftest import tiny_model
+
+    model = tiny_model("llama", layers=2, vocab=128)
+    threads = []
+    hook = model.register_forward_pre_hook(lambda *_: threads.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            plain = greedy_generate(model, [5, 6, 7, 8], 6, [])
+            threads.clear()
+            with PrefillSpread(model, (None, before + 1)):
+                spread = greedy_generate(model, [5, 6, 7, 8], 6, [])
+    finally:
+        hook.remove()
+    assert spread == plain
+    assert threads == [before + 1] + [before] * 5
+    assert torch.get_num_threads() == before and not model._forward_pre_hooks

@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 
 from mirror_train import fastpath, fused_head, static_step
-from mirror_train.devices import draft_device, resolve_device, resolve_dtype
+from mirror_train.devices import draft_device, resolve_device, resolve_dtype, usable_cores
 from mirror_train.errors import MirrorTrainError
 from mirror_train.metrics import check_kappa
 
@@ -38,6 +38,12 @@ class EngineConfig:
     target_core: int | None = 0  # CPU core for the target's thread while generating, when it runs on the CPU
     draft_core: int | None = 1  # CPU core of the draft worker, when the draft runs on the CPU (None: any)
     threads: int = 1  # intra-op threads on each side
+    # The target's intra-op threads for a prompt's prefill on a CPU: one pass over many rows, a GEMM that every core
+    # speeds up, while the draft's core idles until the prefill's states reach it (its process prefills after it).
+    # None = one a core this process may use, the prefill spread over them all (every method alike: they prefill the
+    # same function, so their outputs stay equal); 1 = on the target's core alone, as its steps run. Measured:
+    # docs/engine.md, forty-second session.
+    prefill_threads: int | None = None
     gloo_port: int = 29533  # placement=gloo: the TCP port of the draft's torch.distributed peer
     timeout_s: float = 60.0  # a draft silent for this long is taken for dead
     use_streams: bool = True  # the draft's lookahead streams (False: one token per draft forward)
@@ -132,6 +138,8 @@ class EngineConfig:
             raise MirrorTrainError(f"datastore must be auto, off or a datastore file; {self.datastore!r} is none")
         if self.threads < 1 or self.timeout_s <= 0:
             raise MirrorTrainError("threads must be ≥ 1 and timeout_s > 0")
+        if self.prefill_threads is not None and (isinstance(self.prefill_threads, bool) or self.prefill_threads < 1):
+            raise MirrorTrainError(f"prefill_threads must be ≥ 1 or None (one a core), got {self.prefill_threads!r}")
         target, draft = self.devices()
         pins = self.placement != "local" and hasattr(os, "sched_getaffinity")  # local: nothing is pinned
         cores = os.sched_getaffinity(0) if pins else set()
@@ -144,6 +152,19 @@ class EngineConfig:
             raise MirrorTrainError(f"target_step=graphs needs a CUDA target; the target is on {target}")
         fastpath.resolve(self.fast_path, draft)
         fastpath.resolve(fastpath.for_draft(self.draft_fast_path), draft)
+
+    def prefill_layout(self, device: torch.device) -> tuple[set[int] | None, int] | None:
+        """(cores, threads) of a prompt's prefill by a target on `device`, where it spreads beyond the steps' layout:
+        on a CPU, every core this process may use now (None where nothing is pinned: placement local, or an OS that
+        does not pin) and `prefill_threads` threads, by default one a core. None where the prefill runs as the steps
+        do (a GPU target, one core, or prefill_threads ≤ threads)."""
+        if device.type != "cpu":
+            return None
+        cores = usable_cores()
+        threads = self.prefill_threads or (len(cores) if cores else os.cpu_count() or 1)
+        if threads <= self.threads:
+            return None
+        return (cores if self.placement != "local" else None), threads
 
     def devices(self) -> tuple[torch.device, torch.device]:
         """(the target's device, the draft's), "auto" resolved and both checked (a device that is not there is a

@@ -31,6 +31,8 @@ target-only from the committed tokens, so the output is unchanged.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import statistics
 import tempfile
@@ -94,6 +96,8 @@ class MirrorEngine:
                 stacklevel=2,
             )
         self.fast_path = fastpath.install(target.model, cfg.fast_path)
+        # where a prompt's prefill runs (EngineConfig.prefill_layout), read before any generation pins this process
+        self.prefill_layout = cfg.prefill_layout(target.device)
         self.target_step = static_step.serve(target, cfg.target_step)
         self.head = bind_head(target, cfg, proxy_head)
         # Forked windows (both window sources' chains verified in one pass, forked_window.py) where a row costs
@@ -316,19 +320,25 @@ class MirrorEngine:
         slots = self.draft_slots if seq.method in ("sd", "mirror") else []
         # with the engine's own copies the draft's process answers nothing: the target never waits for its prefill
         reply = seq.copier is None
-        if seq.channel is not None and not slots:
+        # a prefill spread over every core (EngineConfig.prefill_threads) holds the draft's too: the draft's process
+        # then prefills after it, not beside it
+        spread = self.prefill_layout
+        if seq.channel is not None and not slots and spread is None:
             self._send(seq, self._start_message(seq, None, reply))
         if seq.copier is not None:
             seq.copier.send(self._start_message(seq, None))
             seq.copier.recv()
         seq.cache, seq.head_cache = target.new_cache(), head.new_cache()
-        early = slots == ["exit"]  # everything the draft reads is known half way through the prefill
+        early = slots == ["exit"] and spread is None  # everything the draft reads is known half way through
         on_exit = None
         if early:
             on_exit = lambda states: self._send(seq, self._start_message(seq, {"exit": states[0, :-1]}, reply))  # noqa: E731
         prompt = torch.tensor([seq.ids], device=target.device)
         greedy = cfg.temperature == 0  # the tokens from the final states alone (`Target.greedy`), not all logits
-        hidden, last, final = target.prefill(prompt, seq.cache, self.exit_layer, on_exit, logits=not greedy)
+        with fastpath.spread(spread) if spread is not None else contextlib.nullcontext():
+            hidden, last, final = target.prefill(prompt, seq.cache, self.exit_layer, on_exit, logits=not greedy)
+        if seq.channel is not None and not slots and spread is not None:
+            self._send(seq, self._start_message(seq, None, reply))
         if seq.head_cache is not None:
             head.adapt(hidden, seq.head_cache)  # the attention head's own cache over the prompt
         states = {"exit": hidden[0], "final": final[0]}

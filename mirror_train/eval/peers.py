@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from mirror_train.devices import clock
+from mirror_train.fastpath import spread
 
 
 class ForwardCounter:
@@ -45,6 +46,39 @@ class ForwardCounter:
         return [n for n in lengths if n > 0]
 
 
+class PrefillSpread:
+    """The target's first forward of a generation (the prompt's prefill) spread over `layout` = (cores, threads), as
+    the engine's methods prefill (`EngineConfig.prefill_layout`, fastpath.spread); its later forwards as around it."""
+
+    def __init__(self, model, layout):
+        self.model, self.layout = model, layout
+        self.handles, self.inside, self.done = [], None, False
+
+    def __enter__(self):
+        def before(module, args, kwargs):
+            if not self.done:
+                self.inside = spread(self.layout)
+                self.inside.__enter__()
+
+        def after(module, args, kwargs, output):
+            if self.inside is not None:
+                self.inside.__exit__(None, None, None)
+                self.inside, self.done = None, True
+
+        if self.layout is not None:
+            self.handles = [
+                self.model.register_forward_pre_hook(before, with_kwargs=True, prepend=True),
+                self.model.register_forward_hook(after, with_kwargs=True),
+            ]
+        return self
+
+    def __exit__(self, *exc):
+        if self.inside is not None:  # the prefill raised
+            self.inside.__exit__(None, None, None)
+        for handle in self.handles:
+            handle.remove()
+
+
 def greedy_generate(model, ids: list[int], max_new_tokens: int, stops: list[int], **kwargs) -> list[int]:
     """transformers' greedy `generate` after one prompt: the new tokens, up to a stop in `stops` ([]: exactly
     `max_new_tokens`, the model's own end-of-sequence ids set aside). `kwargs` go to `generate` (assistant, lookup)."""
@@ -70,13 +104,16 @@ def greedy_generate(model, ids: list[int], max_new_tokens: int, stops: list[int]
     return out[0, len(ids) :].tolist()
 
 
-def hf_generate(target, ids: list[int], max_new_tokens: int, stops: list[int], method: str, assistant=None):
-    """One greedy generation with transformers: method "assisted" (assistant model) or "hf_pld" (prompt lookup).
+def hf_generate(
+    target, ids: list[int], max_new_tokens: int, stops: list[int], method: str, assistant=None, prefill=None
+):
+    """One greedy generation with transformers: method "assisted" (assistant model) or "hf_pld" (prompt lookup);
+    `prefill`: the (cores, threads) of the prompt's prefill where it spreads beyond the steps' (`PrefillSpread`).
 
     Returns (new tokens, stop included; seconds; accepted length per target forward)."""
     model = target.model
     kwargs = {"assistant_model": assistant} if method == "assisted" else {"prompt_lookup_num_tokens": 10}
-    with torch.inference_mode(), ForwardCounter(model) as counter:
+    with torch.inference_mode(), ForwardCounter(model) as counter, PrefillSpread(model, prefill):
         now = clock(model.device)
         start = now()
         new = greedy_generate(model, ids, max_new_tokens, stops, **kwargs)

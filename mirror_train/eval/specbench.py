@@ -91,7 +91,7 @@ class SpecBenchConfig:
         keep = {k: v for k, v in asdict(self).items() if k != "engine"}
         for k in ("out", "methods", "categories", "limit_per_category", "download", "cache_dir", "warmups"):
             keep.pop(k)
-        where = ("placement", "target_core", "draft_core", "threads", "gloo_port", "timeout_s")
+        where = ("placement", "target_core", "draft_core", "threads", "prefill_threads", "gloo_port", "timeout_s")
         return keep | {f"engine.{k}": v for k, v in asdict(self.engine).items() if k not in where}
 
 
@@ -295,10 +295,12 @@ def _reads_target_states(draft: str) -> bool:
 
 
 def _pinned_hf(target, ids, cfg, stops, method, assistant, hf_generate):
-    """A transformers peer on the target's core with one thread, as the engine's target runs."""
+    """A transformers peer on the target's core with one thread, as the engine's target runs, its prompt's prefill
+    spread as the engine's is (EngineConfig.prefill_threads)."""
     on_cpu = cfg.engine.placement != "local" and target.device.type == "cpu"
+    spread = cfg.engine.prefill_layout(target.device)  # read before pinning
     with pinned(cfg.engine.target_core if on_cpu else None, 1):
-        return hf_generate(target, ids, cfg.max_new_tokens, stops, method, assistant)
+        return hf_generate(target, ids, cfg.max_new_tokens, stops, method, assistant, spread)
 
 
 def _warm(method, messages, engine, target, cfg, stops, assistant) -> None:
