@@ -1133,7 +1133,9 @@ def test_the_oracle_walk_of_scripts_bench_draft_value(target, draft, prompts, re
     assert total["model + copies"] < min(total["copies"], total["model"]) < 3 * MAX_NEW
 
 
-def test_a_prompts_prefill_spreads_over_every_core_and_the_steps_stay_on_the_targets(target, draft, prompts, references):
+def test_a_prompts_prefill_spreads_over_every_core_and_the_steps_stay_on_the_targets(
+    target, draft, prompts, references
+):
     """The prefill runs on every core this process may use, a thread each (EngineConfig.prefill_threads), the draft's
     process prefilling after it; the steps go back to the target's core and thread. Every method prefills alike, so
     all stay the target's greedy output; with prefill_threads=1 the prefill runs as the steps do."""

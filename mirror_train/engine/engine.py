@@ -32,7 +32,6 @@ target-only from the committed tokens, so the output is unchanged.
 from __future__ import annotations
 
 import contextlib
-
 import math
 import statistics
 import tempfile
