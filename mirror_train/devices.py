@@ -156,3 +156,30 @@ def pinned(cores: int | set[int] | None, threads: int):
 def usable_cores() -> set[int] | None:
     """The cores this process may run on (None where the OS does not say: macOS)."""
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+
+def cpu_quota() -> int | None:
+    """The CPUs a container's quota (cgroup v2 `cpu.max`, else v1's `cfs_quota_us` / `cfs_period_us`) lets this
+    process keep busy, rounded up; None where there is no quota. A container limited to 2 CPUs may still see every
+    core of its host as usable: a thread for each would oversubscribe it."""
+    for files in (
+        ("/sys/fs/cgroup/cpu.max",),
+        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
+    ):
+        try:
+            text = " ".join(open(f).read().strip() for f in files)
+        except OSError:
+            continue
+        return parse_cpu_quota(text)
+    return None
+
+
+def parse_cpu_quota(text: str) -> int | None:
+    """CPUs from "QUOTA PERIOD" (cgroup v2 `cpu.max`, or v1's two files joined), rounded up; None for no quota
+    ("max", or -1 in v1) or what does not parse."""
+    parts = text.split()
+    try:
+        quota, period = int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+    return -(-quota // period) if quota > 0 and period > 0 else None

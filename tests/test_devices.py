@@ -55,3 +55,15 @@ def test_a_device_that_is_not_there_is_one_clear_line(spec):
     with pytest.raises(MirrorTrainError) as err:
         EngineConfig(draft_device=spec).validate()
     assert "\n" not in str(err.value) and spec in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "text,cpus",
+    [("max 100000", None), ("200000 100000", 2), ("150000 100000", 2), ("-1 100000", None), ("", None), ("x y", None)],
+)
+def test_a_containers_cpu_quota_is_read_as_whole_cpus_rounded_up(text, cpus):
+    """cgroup v2's `cpu.max` (or v1's quota and period joined): a container limited to 1.5 CPUs keeps 2 threads busy;
+    no quota, or an unreadable one, limits nothing (the prefill's threads, EngineConfig.prefill_layout)."""
+    from mirror_train.devices import parse_cpu_quota
+
+    assert parse_cpu_quota(text) == cpus

@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 
 from mirror_train import fastpath, fused_head, static_step
-from mirror_train.devices import draft_device, resolve_device, resolve_dtype, usable_cores
+from mirror_train.devices import cpu_quota, draft_device, resolve_device, resolve_dtype, usable_cores
 from mirror_train.errors import MirrorTrainError
 from mirror_train.metrics import check_kappa
 
@@ -156,12 +156,12 @@ class EngineConfig:
     def prefill_layout(self, device: torch.device) -> tuple[set[int] | None, int] | None:
         """(cores, threads) of a prompt's prefill by a target on `device`, where it spreads beyond the steps' layout:
         on a CPU, every core this process may use now (None where nothing is pinned: placement local, or an OS that
-        does not pin) and `prefill_threads` threads, by default one a core. None where the prefill runs as the steps
-        do (a GPU target, one core, or prefill_threads ≤ threads)."""
+        does not pin) and `prefill_threads` threads, by default one a core (no more than a container's CPU quota).
+        None where the prefill runs as the steps do (a GPU target, one core, or prefill_threads ≤ threads)."""
         if device.type != "cpu":
             return None
         cores = usable_cores()
-        threads = self.prefill_threads or (len(cores) if cores else os.cpu_count() or 1)
+        threads = self.prefill_threads or min(len(cores) if cores else os.cpu_count() or 1, cpu_quota() or 1 << 16)
         if threads <= self.threads:
             return None
         return (cores if self.placement != "local" else None), threads
