@@ -119,6 +119,7 @@ def test_a_run_answers_every_method_identically_resumes_and_refuses_other_settin
     assert {m: (out / "answers" / f"{m}.jsonl").read_text().splitlines() for m in cfg.method_list} == lines
     machines = json.loads((out / "run.json").read_text())["machines"]  # each start: where it was timed
     assert len(machines) == 2 and all(m["cpu"] == cpu_model() and m["fast_path"] != "auto" for m in machines)
+    assert all(m["prefill_threads"] >= 1 for m in machines)
     assert "Served from " in write_report(out).read_text()
     cfg.max_new_tokens = 16
     with pytest.raises(MirrorTrainError, match="max_new_tokens: 8 → 16"):

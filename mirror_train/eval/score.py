@@ -107,7 +107,9 @@ def markdown(result: dict, run: dict | None = None) -> str:
             "",
         ]
         for m in run.get("machines", []):  # each (re)start of the run: where its answers were timed
-            served = ", ".join(f"{k} {m[k]}" for k in ("fast_path", "layout", "weights_read") if m.get(k))
+            served = ", ".join(
+                f"{k} {m[k]}" for k in ("fast_path", "layout", "weights_read", "prefill_threads") if m.get(k)
+            )
             lines += [
                 f"Served from {m.get('started', '?')} on {m.get('cpu', '?')} ({m.get('target_device')}): {served}.",
                 "",

@@ -144,9 +144,10 @@ def _check_resume(out: Path, record: dict) -> None:
         )
 
 
-def _record_machine(out: Path, target) -> None:
+def _record_machine(out: Path, target, prefill_threads: int) -> None:
     """Append where this (re)start of the run serves from to run.json's `machines` (a resumed run may be on another
-    machine): the CPU, the target's device, how its linears are served (fastpath.describe). Not compared on resume."""
+    machine): the CPU, the target's device, how its linears are served (fastpath.describe), the threads of a prompt's
+    prefill (EngineConfig.prefill_layout). Not compared on resume."""
     import datetime
 
     from mirror_train import fastpath
@@ -156,6 +157,7 @@ def _record_machine(out: Path, target) -> None:
     run = json.loads(path.read_text())
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     machine = {"started": started, "cpu": cpu_model(), "target_device": str(target.device)}
+    machine["prefill_threads"] = prefill_threads
     run["machines"] = [*run.get("machines", []), machine | fastpath.describe(target.model)]
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(run, indent=1))
@@ -211,7 +213,7 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
     engine_cfg = cfg.engine
     uses_draft = any(m in ("sd", "mirror") for m in methods)
     engine = MirrorEngine(target, cfg.proxy_head, cfg.draft if uses_draft else None, engine_cfg)
-    _record_machine(out, target)
+    _record_machine(out, target, engine.prefill_layout[1] if engine.prefill_layout else engine_cfg.threads)
     assistant = None
     if "assisted" in methods:
         # the same network as the engine's draft, in the precision torch's own path runs fastest here (it is not
