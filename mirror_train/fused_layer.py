@@ -9,11 +9,14 @@ Qwen2) runs norm, projections, rotary, the cache write, attention, MLP and resid
 function of its row alone, so a k-row window is still its k one-token steps bit for bit (`Target.exact_windows`).
 
 Which calls: exactly those the row-exact attention kernel serves (attention.row_exact_kernel: batch 1, float32 on a
-CPU, a window of 1..MAX_ROWS rows after a non-empty cache, a plain causal or forked mask), when the layer's cache is a
-transformers DynamicLayer (made to grow in place, kv_cache.py) and nothing needs gradients; anything else (a prompt's
-prefill, batches, training) runs the layer's own forward. The function differs from the module's in the last bits
-(the norm's sum order, the SiLU's exponential), as the kernels' linears already do; every method and the transformers
-peers run the same layers, so every comparison stays exact (tests/test_kernels.py, tests/test_engine_testbed.py).
+CPU, a window of 1..MAX_ROWS rows, a plain causal or forked mask), when the layer's cache is a transformers
+DynamicLayer (made to grow in place, kv_cache.py) and nothing needs gradients; anything else (batches, training, a
+prompt of more rows) runs the layer's own forward. A prompt's prefill of up to MAX_ROWS rows is such a call on an
+empty cache (since the forty-second session: on the two-vCPU Xeon 32 rows took 81 ms here against 118 ms through the
+modules, docs/engine.md), so it is also its one-token steps bit for bit. The function differs from the module's in
+the last bits (the norm's sum order, the SiLU's exponential), as the kernels' linears already do; every method and
+the transformers peers run the same layers, so every comparison stays exact (tests/test_kernels.py,
+tests/test_engine_testbed.py).
 
 A target's run of consecutive fused layers (its prefix, its suffix: `Target.run_layers`) goes further, as one C
 call for all of them (`FusedStack`, kernels.decoder_stack): the same layer calls in C, the same bits, one pass
@@ -214,10 +217,13 @@ class FusedLayer(nn.Module):
         layer = cache.layers[weights.layer_idx]
         if type(layer).__name__ == "DynamicLayer":  # a cache transformers made (generate): grow it in place
             layer.__class__ = GrowingLayer
-        if type(layer) is not GrowingLayer or not layer.is_initialized:
+        if type(layer) is not GrowingLayer:
             return None
-        past = layer.get_seq_length()
-        return None if past < 1 else (weights, layer, past)
+        if not layer.is_initialized or layer.get_seq_length() == 0:  # a prompt's prefill: keys from its own rows
+            empty = torch.empty(1, weights.kv_heads, 0, weights.head_dim)
+            layer.lazy_initialization(empty, empty)
+            layer.keys, layer.values = empty, empty  # the buffers' shape (transformers may leave them 1-D)
+        return weights, layer, layer.get_seq_length()
 
     def _fused_stream_call(self, hidden, streams, rope, mask, cache, anchors):
         """A multi-stream layer's forward (models/multi_stream_attention.py) as one C call, or None where its own

@@ -55,11 +55,14 @@ def _check_family(family: str, calls: list[int]):
     reference = _decode(plain, ids, 9, 1)
     before = calls[0]
     steps = _decode(fused, ids, 9, 1)
-    assert calls[0] - before == 20 * len(fused.model.layers)  # every decode step of every layer took the C layer
+    # every layer of the prompt's prefill and of every decode step took the C layer
+    assert calls[0] - before == 21 * len(fused.model.layers)
     torch.testing.assert_close(steps, reference, atol=1e-4, rtol=1e-4)  # the module's function, to the last bits
     assert torch.equal(steps.argmax(-1), reference.argmax(-1))
     for rows in (2, 5, 8, 20):  # a window is its one-token steps, bit for bit
         assert torch.equal(_decode(fused, ids, 9, rows), steps), rows
+    # so is a prompt's prefill (on an empty cache): one token, then eight steps, leaves the same cache
+    assert torch.equal(_decode(fused, ids, 1, 1)[:, 8:], steps)
 
 
 @needs_kernel
@@ -86,7 +89,7 @@ def test_a_mistral_without_a_sliding_window_is_fused_and_other_layers_stay_plain
 
 @needs_kernel
 def test_the_layer_falls_back_where_it_does_not_apply_and_a_copy_is_plain(fused_calls):
-    """A prompt's prefill, a batch, bfloat16 weights and gradients run the module's own forward; a deep copy (a cast,
+    """A batch (its prefill too), bfloat16 weights and gradients run the module's own forward; a deep copy (a cast,
     Target.cast) is a plain layer; switching off restores the class."""
     model = tiny_model()
     fastpath.install(model, "exact")
@@ -129,7 +132,7 @@ def test_transformers_generate_on_a_fused_model_is_its_stepwise_greedy(fused_cal
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert fused_calls[0] == 11 * len(model.model.layers)  # the first token comes from the prefill
+    assert fused_calls[0] == 12 * len(model.model.layers)  # the prefill (its first token) and 11 steps
     tokens = ids
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
@@ -185,11 +188,12 @@ def test_a_targets_layers_as_one_stack_call_are_its_layers_called_one_by_one(mon
     ids = torch.randint(0, 128, (1, 300), generator=torch.Generator().manual_seed(7))
     windows = [1, 2, 5, 8, 3, 1] * 14  # ~280 tokens after a 9-token prompt: the cache grows past 256 positions
     stacked, cache = _target_steps(target, ids, 9, windows, forked_at=9 + 1 + 2)
-    assert cache.get_seq_length() > 256 and len(stacks) == 2 * len(windows) and fused_calls[0] == 0
-    assert set(stacks) == {2}  # ℓe = 2 of 4: two layers a call, each half
+    # the prompt's prefill in C too: its first layer (Target.forward's ℓe = 1) alone, the other three as one stack
+    assert cache.get_seq_length() > 256 and len(stacks) == 1 + 2 * len(windows) and fused_calls[0] == 1
+    assert stacks[0] == 3 and set(stacks[1:]) == {2}  # ℓe = 2 of 4: two layers a call, each half
     monkeypatch.setattr(Target, "_stack", lambda self, layers, indices: None)
     layered, _ = _target_steps(target, ids, 9, windows, forked_at=9 + 1 + 2)
-    assert fused_calls[0] == 4 * len(windows)  # the same steps through the layers' own fused calls
+    assert fused_calls[0] == 1 + 4 * (1 + len(windows))  # the same steps through the layers' own fused calls
     assert torch.equal(stacked, layered)
     monkeypatch.undo()
     monkeypatch.setattr(kernels, "decoder_stack", lambda *a, **k: stacks.append(len(a[1])) or real(*a, **k))
