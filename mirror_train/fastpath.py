@@ -373,8 +373,10 @@ def spread(layout: tuple[set[int] | None, int]):
 def spread_rows(shape: tuple[int, int], bias: bool, dtype: torch.dtype, threads: int) -> int:
     """The fewest rows from which the prefill's GEMM (`prefill_linear` on `threads` threads: called inside `spread`)
     beats the one-thread row-exact kernel for a layer shape, timed once per process at 64, 32, 16 and 8 rows on
-    random weights (the kernel streams its weights on one core; on the two-vCPU AMX Xeon the threaded GEMM won the
-    testbed's prefill from 16 rows, docs/engine.md, forty-second session); past MAX_ROWS where it never does."""
+    random weights (the kernel streams its weights on one core; on the two-vCPU AMX Xeon the GEMM on two threads won
+    from 8 to 32 rows by the testbed's shapes, docs/engine.md, forty-second session); past MAX_ROWS where it never
+    does. The target's C layers take a prefill of up to MAX_ROWS rows first (fused_layer.py); this serves layers
+    they do not."""
     n, k = shape
     crossover = kernels.MAX_ROWS + 1
     with torch.inference_mode():
