@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import weakref
 from collections.abc import Sequence
 from contextlib import contextmanager
 
@@ -50,7 +51,7 @@ from torch import nn
 from mirror_train import alignment, attention, fused_head, fused_layer, kernels, screened_head
 from mirror_train.devices import pinned, resolve_dtype
 from mirror_train.errors import MirrorTrainError
-from mirror_train.timing import median_ms
+from mirror_train.timing import interleaved_median_ms, median_ms
 
 KINDS = ("auto", "exact", "onednn", "fastest", "none")
 # the row counts `fastest` measures; a call takes the route of the next one up. 3 and 6: a draft's node with its two
@@ -354,19 +355,66 @@ SPREAD_MIN_ROWS = 8  # fewer rows (the prefill's LM head row) stay on the kernel
 
 
 @contextmanager
-def spread(layout: tuple[set[int] | None, int]):
-    """A prompt's prefill spread over `layout` = (cores, threads) (EngineConfig.prefill_layout, devices.pinned): its
-    linears of `spread_rows` rows or more run torch's threaded GEMM (`prefill_linear`) rather than the one-thread
-    row-exact kernel, which past MAX_ROWS rows they do anyway. A prefill is every method's alike and never a window
-    (windows stay row-exact)."""
+def spread(layout: tuple[set[int] | None, int], model: nn.Module | None = None):
+    """A prompt's prefill spread over `layout` = (cores, threads) (EngineConfig.prefill_layout, devices.pinned):
+    `model`'s C layers take it up to the rows where they measured faster than its modules on those threads
+    (`c_prefill_rows`), and past them its linears run torch's threaded GEMM (`prefill_linear`; where no C layer
+    serves, from `spread_rows` rows) rather than the one-thread row-exact kernel. A prefill is every method's alike
+    and never a window (windows stay row-exact)."""
     global _spread_threads
     before = _spread_threads
-    with pinned(*layout):
+    rows = c_prefill_rows(model, layout) if model is not None else kernels.MAX_ROWS
+    with pinned(*layout), fused_layer.prefill_rows(rows):
         _spread_threads = layout[1]
         try:
             yield
         finally:
             _spread_threads = before
+
+
+_c_prefill: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → {threads: rows}
+C_PREFILL_ROWS = (kernels.MAX_ROWS, 32, 16, 8)  # the prompt lengths `c_prefill_rows` times, longest first
+
+
+def c_prefill_rows(model: nn.Module, layout: tuple[set[int] | None, int], repeats: int = 3) -> int:
+    """The most rows (of C_PREFILL_ROWS, else 0) up to which `model`'s prefill through its C layers (one thread,
+    fused_layer.py) measured no slower than through its modules spread over `layout` (the threaded GEMM), on random
+    ids, the two timed in turn; once per model and thread count in a process (the engine asks at its start, before
+    any prefill, so every method prefills alike: ~2 s for the testbed). On the two-vCPU AMX Xeon C took 81 ms against
+    102 ms at 32 rows and tied at 64 (docs/engine.md, forty-second session); with more cores the GEMM should win
+    sooner. A model without C layers: MAX_ROWS (nothing to choose)."""
+    known = _c_prefill.setdefault(model, {})
+    if layout[1] in known:
+        return known[layout[1]]
+    if not any(isinstance(layer, fused_layer.FusedLayer) for layer in fused_layer.decoder_layers(model)):
+        return kernels.MAX_ROWS
+    from transformers import DynamicCache
+
+    vocab = model.config.vocab_size
+    cap = 0
+    with torch.inference_mode(), pinned(*layout):
+        global _spread_threads
+        before, _spread_threads = _spread_threads, layout[1]
+        try:
+            for rows in C_PREFILL_ROWS:
+                ids = torch.randint(0, vocab, (1, rows), generator=torch.Generator().manual_seed(rows))
+
+                def prefill(ids=ids):
+                    model(ids, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+
+                def capped(cap_rows: int, fn=prefill):
+                    with fused_layer.prefill_rows(cap_rows):
+                        fn()
+
+                fns = {cap_rows: functools.partial(capped, cap_rows) for cap_rows in (kernels.MAX_ROWS, 0)}
+                times = interleaved_median_ms(fns, repeats=repeats, warmup=1)  # the machine's drift hits both
+                if times[kernels.MAX_ROWS] <= times[0]:
+                    cap = rows
+                    break
+        finally:
+            _spread_threads = before
+    known[layout[1]] = cap
+    return cap
 
 
 @functools.cache

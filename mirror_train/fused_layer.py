@@ -13,10 +13,11 @@ CPU, a window of 1..MAX_ROWS rows, a plain causal or forked mask), when the laye
 DynamicLayer (made to grow in place, kv_cache.py) and nothing needs gradients; anything else (batches, training, a
 prompt of more rows) runs the layer's own forward. A prompt's prefill of up to MAX_ROWS rows is such a call on an
 empty cache (since the forty-second session: on the two-vCPU Xeon 32 rows took 81 ms here against 118 ms through the
-modules, docs/engine.md), so it is also its one-token steps bit for bit. The function differs from the module's in
-the last bits (the norm's sum order, the SiLU's exponential), as the kernels' linears already do; every method and
-the transformers peers run the same layers, so every comparison stays exact (tests/test_kernels.py,
-tests/test_engine_testbed.py).
+modules, docs/engine.md), so it is also its one-token steps bit for bit; inside a prefill spread over several threads
+only up to the rows where that measured faster than the threaded GEMM (`prefill_rows`, fastpath.c_prefill_rows).
+The function differs from the module's in the last bits (the norm's sum order, the SiLU's exponential), as the
+kernels' linears already do; every method and the transformers peers run the same layers, so every comparison stays
+exact (tests/test_kernels.py, tests/test_engine_testbed.py).
 
 A target's run of consecutive fused layers (its prefix, its suffix: `Target.run_layers`) goes further, as one C
 call for all of them (`FusedStack`, kernels.decoder_stack): the same layer calls in C, the same bits, one pass
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -152,6 +154,23 @@ def _fused_class(base: type) -> type:
     return type(f"Fused{base.__name__}", (FusedLayer, base), {"_plain_class": base})
 
 
+# The most rows a prompt's prefill (a call on an empty cache) runs in C: MAX_ROWS, but inside a prefill spread over
+# several threads (fastpath.spread) the rows up to which C measured faster than the modules on those threads
+# (fastpath.c_prefill_rows): past them the threaded GEMM wins
+_prefill_rows = kernels.MAX_ROWS
+
+
+@contextmanager
+def prefill_rows(rows: int):
+    """Prefills of more than `rows` rows run the modules within the block."""
+    global _prefill_rows
+    before, _prefill_rows = _prefill_rows, rows
+    try:
+        yield
+    finally:
+        _prefill_rows = before
+
+
 class FusedLayer(nn.Module):
     """Mixed in before a decoder layer's own class (`install`): its forward takes the C layer where it applies."""
 
@@ -204,7 +223,10 @@ class FusedLayer(nn.Module):
             or x.requires_grad
         ):
             return None
-        return self._held(cache)
+        held = self._held(cache)
+        if held is not None and held[2] == 0 and x.shape[1] > _prefill_rows:  # a prefill the threaded GEMM wins
+            return None
+        return held
 
     def _held(self, cache):
         """(weights, cache layer, cached length) where this layer's C call can run on `cache`, its inputs apart

@@ -223,3 +223,30 @@ def test_a_targets_layers_as_one_stack_call_are_its_layers_called_one_by_one(mon
     assert stacks == [2, 2]  # the prefix's two layers still one call, the suffix layer by layer
     target.model.eval()
     torch.testing.assert_close(trained, _target_steps(target, ids, 9, [1, 3])[0], atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_a_prefill_runs_in_c_up_to_the_rows_that_measured_faster_than_the_spread_modules(fused_calls):
+    """A prompt's prefill takes the C layers up to `fused_layer.prefill_rows` rows and the modules past them (the same
+    function to float32 noise); inside a spread prefill that limit is `fastpath.c_prefill_rows`, measured once per
+    model and thread count (one of its timed lengths, or 0 where C never won)."""
+    model = tiny_model()
+    fastpath.install(model, "exact")
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(2))
+    outs = {}
+    with torch.inference_mode():
+        for rows in (kernels.MAX_ROWS, 16):
+            before = fused_calls[0]
+            with fused_layer.prefill_rows(rows):
+                outs[rows] = model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits
+            assert fused_calls[0] - before == (len(model.model.layers) if rows >= 24 else 0), rows
+    torch.testing.assert_close(outs[16], outs[kernels.MAX_ROWS], atol=1e-4, rtol=1e-4)
+    layout = (None, torch.get_num_threads() + 1)
+    cap = fastpath.c_prefill_rows(model, layout)
+    assert cap in (0, *fastpath.C_PREFILL_ROWS)
+    assert fastpath._c_prefill[model] == {layout[1]: cap}
+    with fastpath.spread(layout, model):
+        assert fused_layer._prefill_rows == cap
+    assert fused_layer._prefill_rows == kernels.MAX_ROWS
+    plain = tiny_model()  # no C layers: nothing to choose
+    assert fastpath.c_prefill_rows(plain, layout) == kernels.MAX_ROWS

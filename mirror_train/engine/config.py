@@ -41,8 +41,9 @@ class EngineConfig:
     # The target's intra-op threads for a prompt's prefill on a CPU: one pass over many rows, a GEMM that every core
     # speeds up, while the draft's core idles until the prefill's states reach it (its process prefills after it).
     # None = one a core this process may use, the prefill spread over them all (every method alike: they prefill the
-    # same function, so their outputs stay equal); 1 = on the target's core alone, as its steps run. A prompt of up
-    # to 64 tokens runs the target's C layers on one thread either way (fused_layer.py). Measured: docs/engine.md,
+    # same function, so their outputs stay equal); 1 = on the target's core alone, as its steps run. A short prompt
+    # runs the target's C layers on one thread either way (up to 64 tokens, or as many as measured faster than the
+    # GEMM on these threads: fastpath.c_prefill_rows). Measured: docs/engine.md,
     # forty-second session.
     prefill_threads: int | None = None
     gloo_port: int = 29533  # placement=gloo: the TCP port of the draft's torch.distributed peer

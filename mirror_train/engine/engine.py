@@ -97,6 +97,8 @@ class MirrorEngine:
         self.fast_path = fastpath.install(target.model, cfg.fast_path)
         # where a prompt's prefill runs (EngineConfig.prefill_layout), read before any generation pins this process
         self.prefill_layout = cfg.prefill_layout(target.device)
+        if self.prefill_layout is not None:  # how long a prompt its C layers take, fixed before any prefill
+            fastpath.c_prefill_rows(target.model, self.prefill_layout)
         self.target_step = static_step.serve(target, cfg.target_step)
         self.head = bind_head(target, cfg, proxy_head)
         # Forked windows (both window sources' chains verified in one pass, forked_window.py) where a row costs
@@ -334,7 +336,7 @@ class MirrorEngine:
             on_exit = lambda states: self._send(seq, self._start_message(seq, {"exit": states[0, :-1]}, reply))  # noqa: E731
         prompt = torch.tensor([seq.ids], device=target.device)
         greedy = cfg.temperature == 0  # the tokens from the final states alone (`Target.greedy`), not all logits
-        with fastpath.spread(spread) if spread is not None else contextlib.nullcontext():
+        with fastpath.spread(spread, target.model) if spread is not None else contextlib.nullcontext():
             hidden, last, final = target.prefill(prompt, seq.cache, self.exit_layer, on_exit, logits=not greedy)
         if seq.channel is not None and not slots and spread is not None:
             self._send(seq, self._start_message(seq, None, reply))

@@ -57,7 +57,7 @@ class PrefillSpread:
     def __enter__(self):
         def before(module, args, kwargs):
             if not self.done:
-                self.inside = spread(self.layout)
+                self.inside = spread(self.layout, self.model)
                 self.inside.__enter__()
 
         def after(module, args, kwargs, output):
