@@ -423,8 +423,8 @@ def spread_rows(shape: tuple[int, int], bias: bool, dtype: torch.dtype, threads:
     beats the one-thread row-exact kernel for a layer shape, timed once per process at 64, 32, 16 and 8 rows on
     random weights (the kernel streams its weights on one core; on the two-vCPU AMX Xeon the GEMM on two threads won
     from 8 to 32 rows by the testbed's shapes, docs/engine.md, forty-second session); past MAX_ROWS where it never
-    does. The target's C layers take a prefill of up to MAX_ROWS rows first (fused_layer.py); this serves layers
-    they do not."""
+    does. The target's C layers take a short prefill first (fused_layer.py, `c_prefill_rows`); this serves the
+    prefills between their limit and MAX_ROWS rows, and layers the C call does not serve."""
     n, k = shape
     crossover = kernels.MAX_ROWS + 1
     with torch.inference_mode():
