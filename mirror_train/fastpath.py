@@ -392,27 +392,22 @@ def c_prefill_rows(model: nn.Module, layout: tuple[set[int] | None, int], repeat
 
     vocab = model.config.vocab_size
     cap = 0
-    with torch.inference_mode(), pinned(*layout):
-        global _spread_threads
-        before, _spread_threads = _spread_threads, layout[1]
-        try:
-            for rows in C_PREFILL_ROWS:
-                ids = torch.randint(0, vocab, (1, rows), generator=torch.Generator().manual_seed(rows))
+    with torch.inference_mode(), spread(layout):  # the modules' side as a spread prefill runs them
+        for rows in C_PREFILL_ROWS:
+            ids = torch.randint(0, vocab, (1, rows), generator=torch.Generator().manual_seed(rows))
 
-                def prefill(ids=ids):
-                    model(ids, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+            def prefill(ids=ids):
+                model(ids, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
 
-                def capped(cap_rows: int, fn=prefill):
-                    with fused_layer.prefill_rows(cap_rows):
-                        fn()
+            def capped(cap_rows: int, fn=prefill):
+                with fused_layer.prefill_rows(cap_rows):
+                    fn()
 
-                fns = {cap_rows: functools.partial(capped, cap_rows) for cap_rows in (kernels.MAX_ROWS, 0)}
-                times = interleaved_median_ms(fns, repeats=repeats, warmup=1)  # the machine's drift hits both
-                if times[kernels.MAX_ROWS] <= times[0]:
-                    cap = rows
-                    break
-        finally:
-            _spread_threads = before
+            fns = {cap_rows: functools.partial(capped, cap_rows) for cap_rows in (kernels.MAX_ROWS, 0)}
+            times = interleaved_median_ms(fns, repeats=repeats, warmup=1)  # the machine's drift hits both
+            if times[kernels.MAX_ROWS] <= times[0]:
+                cap = rows
+                break
     known[layout[1]] = cap
     return cap
 

@@ -41,9 +41,10 @@ def main() -> None:
         if seen.get(q.category, 0) < args.per_category:
             seen[q.category] = seen.get(q.category, 0) + 1
             chosen.append(encode_chat(target.tokenizer, q.messages()))
-    spread = EngineConfig()
-    engines = {"one core": MirrorEngine(target, None, None, EngineConfig(prefill_threads=1)), "spread": None}
-    engines["spread"] = MirrorEngine(target, None, None, spread)
+    engines = {
+        "one core": MirrorEngine(target, None, None, EngineConfig(prefill_threads=1)),
+        "spread": MirrorEngine(target, None, None, EngineConfig()),
+    }
     layout = engines["spread"].prefill_layout
     times: dict[str, dict[int, list[float]]] = {name: {} for name in engines}
     firsts: dict[str, dict[int, list[int]]] = {name: {} for name in engines}

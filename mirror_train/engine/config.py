@@ -43,8 +43,7 @@ class EngineConfig:
     # None = one a core this process may use, the prefill spread over them all (every method alike: they prefill the
     # same function, so their outputs stay equal); 1 = on the target's core alone, as its steps run. A short prompt
     # runs the target's C layers on one thread either way (up to 64 tokens, or as many as measured faster than the
-    # GEMM on these threads: fastpath.c_prefill_rows). Measured: docs/engine.md,
-    # forty-second session.
+    # GEMM on these threads: fastpath.c_prefill_rows). Measured: docs/engine.md, forty-second session.
     prefill_threads: int | None = None
     gloo_port: int = 29533  # placement=gloo: the TCP port of the draft's torch.distributed peer
     timeout_s: float = 60.0  # a draft silent for this long is taken for dead

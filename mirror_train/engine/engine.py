@@ -324,7 +324,8 @@ class MirrorEngine:
         # a prefill spread over every core (EngineConfig.prefill_threads) holds the draft's too: the draft's process
         # then prefills after it, not beside it
         spread = self.prefill_layout
-        if seq.channel is not None and not slots and spread is None:
+        starts_blind = seq.channel is not None and not slots  # a draft that reads none of the prefill's states
+        if starts_blind and spread is None:
             self._send(seq, self._start_message(seq, None, reply))
         if seq.copier is not None:
             seq.copier.send(self._start_message(seq, None))
@@ -338,7 +339,7 @@ class MirrorEngine:
         greedy = cfg.temperature == 0  # the tokens from the final states alone (`Target.greedy`), not all logits
         with fastpath.spread(spread, target.model) if spread is not None else contextlib.nullcontext():
             hidden, last, final = target.prefill(prompt, seq.cache, self.exit_layer, on_exit, logits=not greedy)
-        if seq.channel is not None and not slots and spread is not None:
+        if starts_blind and spread is not None:
             self._send(seq, self._start_message(seq, None, reply))
         if seq.head_cache is not None:
             head.adapt(hidden, seq.head_cache)  # the attention head's own cache over the prompt

@@ -239,7 +239,7 @@ def run_specbench(cfg: SpecBenchConfig) -> Path:
                 if method == "mirror":  # the one reading that decides whether the draft works concurrently at all
                     result["contention"] = engine.contention
             else:
-                tokens, seconds, lengths = _pinned_hf(target, ids, cfg, stops, method, assistant, hf_generate)
+                tokens, seconds, lengths = _pinned_hf(target, ids, cfg, engine, stops, method, assistant, hf_generate)
                 result = {"tokens": tokens, "seconds": seconds, "accept_lengths": lengths}
             times.append(result["seconds"])
             first = first or result
@@ -296,13 +296,12 @@ def _reads_target_states(draft: str) -> bool:
         return False  # a bad draft path gets its clear error where the draft loads
 
 
-def _pinned_hf(target, ids, cfg, stops, method, assistant, hf_generate):
+def _pinned_hf(target, ids, cfg, engine, stops, method, assistant, hf_generate):
     """A transformers peer on the target's core with one thread, as the engine's target runs, its prompt's prefill
-    spread as the engine's is (EngineConfig.prefill_threads)."""
+    spread as the engine's is (`MirrorEngine.prefill_layout`)."""
     on_cpu = cfg.engine.placement != "local" and target.device.type == "cpu"
-    spread = cfg.engine.prefill_layout(target.device)  # read before pinning
     with pinned(cfg.engine.target_core if on_cpu else None, 1):
-        return hf_generate(target, ids, cfg.max_new_tokens, stops, method, assistant, spread)
+        return hf_generate(target, ids, cfg.max_new_tokens, stops, method, assistant, engine.prefill_layout)
 
 
 def _warm(method, messages, engine, target, cfg, stops, assistant) -> None:
@@ -310,7 +309,7 @@ def _warm(method, messages, engine, target, cfg, stops, assistant) -> None:
     if method in ENGINE_METHODS:
         engine.generate(ids, 16, method=method)
     else:
-        _pinned_hf(target, ids, cfg, stops, method, assistant, hf_generate)
+        _pinned_hf(target, ids, cfg, engine, stops, method, assistant, hf_generate)
 
 
 def _answer_record(q, method: str, cfg: SpecBenchConfig, turns: list, target) -> dict:
