@@ -143,6 +143,11 @@ def _library() -> ctypes.CDLL | None:
         lib.proxy_head_f32.argtypes += [i64, ptr, i64, f32, ptr, ptr, ptr, ptr]
         lib.proxy_head_f32.restype = ctypes.c_int
         lib.q8_dot.restype = ctypes.c_int
+        if hasattr(lib, "screen_q8_built"):  # an older revision's library (bench_target.py --baseline) has none
+            lib.screen_q8_built.restype = ctypes.c_int
+            # x, M, K, int8 panels, scales, sums, y, ldy, N, scratch
+            lib.screen_q8.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr]
+            lib.screen_q8.restype = None
         lib.head_scratch_floats.argtypes = [i64] * 4
         lib.head_scratch_floats.restype = i64
     except (OSError, AttributeError):  # not loadable here, or not the library this source builds
@@ -225,6 +230,27 @@ def q8_dot() -> bool:
     return bool(_library().q8_dot())
 
 
+def screen_q8() -> bool:
+    """Whether the LM head's int8 screen is built here (`screen_q8_scores`: AVX512-VNNI's dot product of byte quads)."""
+    return has("screen_q8_built") and bool(_library().screen_q8_built())
+
+
+def screen_q8_scores(
+    x: torch.Tensor, n: int, panels: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor
+) -> torch.Tensor:
+    """The int8 screen's logits (M, n) of float32 rows x (M, K) against a head's int8 panels, per-row scales and sums
+    (`fused_head.quantize_panels`), each row read in two bytes a value (csrc/screen_q8.c). Call only where
+    `screen_q8()`."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    m, k = rows.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    scratch = torch.empty(2 * m * ((k + 3) // 4) + m, dtype=torch.int32)
+    lib = _library()
+    lib.screen_q8(rows.data_ptr(), m, k, panels.data_ptr(), scales.data_ptr(), sums.data_ptr(), out.data_ptr(), n, n,
+                  scratch.data_ptr())
+    return out
+
+
 def has(function: str) -> bool:
     """Whether the library has a C function (an older revision's, timed by `bench_target.py --baseline`, may not)."""
     return hasattr(_library(), function)
@@ -235,7 +261,7 @@ def screen_argmax(
     x: torch.Tensor,
     weight: torch.Tensor,
     panels: torch.Tensor | None,
-    dot: bool,
+    mode: int,
     constants: torch.Tensor,
     bounds: torch.Tensor,
     most: int,
@@ -243,7 +269,8 @@ def screen_argmax(
     """Each row's greedy id for a head (N, K) served from `panels` (float32 or bfloat16, `to_panels`) or else from its
     float32 rows `weight`: the screen's candidates row by row (each row's lower bound its served logit at its
     screened argmax), each row's served logits over its own (`linear`'s bits) and their first largest; None where a
-    bound is not finite or more than `most` logits would be computed. `scores`: the screened logits (M, ≥ N)."""
+    bound is not finite or more than `most` logits would be computed. `scores`: the screened logits (M, ≥ N); mode:
+    how the screen read x (`screened_head.MODES`: as it is, rounded to bfloat16, or in two int8 bytes a value)."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
     if panels is None:
         served, layout = weight.contiguous(), 0
@@ -257,7 +284,7 @@ def screen_argmax(
         scores.stride(0),
         rows.data_ptr(),
         rows.shape[1],
-        int(dot),
+        int(mode),
         constants.data_ptr(),
         bounds[0].data_ptr(),
         bounds[1].data_ptr(),

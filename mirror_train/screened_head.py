@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mirror_train import alignment, kernels
+from mirror_train import alignment, fused_head, kernels
 from mirror_train.timing import interleaved_median_ms
 
 # rows a call's time is measured at (a one-token step, windows); a call takes the verdict of the next one up, and
@@ -47,22 +47,33 @@ ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # 64: kernels.MAX_ROWS, past which th
 MAX_CANDIDATES = 4096
 _U = 2.0**-24
 _TINY = 2.0**-126  # float32's smallest normal: what the dot product flushes to zero
-_MEASURED: dict[tuple, tuple[bool, ...]] = {}  # `_measure`'s verdicts by (V, K, dot, panels, layout), per process
+_MEASURED: dict[tuple, tuple[bool, ...]] = {}  # `_measure`'s verdicts by ((V, K, panels, layout), kind), per process
+_FASTEST: dict[tuple, str] = {}  # `_faster`'s choice by (V, K, panels, layout), per process
+
+
+KINDS = ("int8", "bf16_dot", "bf16")  # what the screen reads (module docstring); `build` takes the fastest built here
+MODES = {"bf16": 0, "bf16_dot": 1, "int8": 2}  # how the kernels' screen_argmax rounds a row (x as read, bf16, 2 bytes)
 
 
 @dataclass
 class ScreenedHead:
-    """An LM head's screen: its bfloat16 panels and the constants of the bound, and by ROWS whether it is used."""
+    """An LM head's screen: the weights it reads and the constants of the bound, and by ROWS whether it is used."""
 
-    low: torch.Tensor  # the weight in bfloat16: its rows, or only their shape (on the meta device) where panels
-    low_panels: torch.Tensor | None  # its panels (`kernels.to_panels`): the dot product's, or the served layout's
-    dot: bool
+    kind: str  # one of KINDS
+    # what the screen reads: (bfloat16 panels,) for bf16_dot; (bfloat16 rows or panels,) for bf16, with `shape` the
+    # weight's; (int8 panels, per-row scales, per-row sums) for int8 (csrc/linear_q8.c's layout)
+    weights: tuple[torch.Tensor, ...]
+    shape: tuple[int, int]
     # float64 (max over ids of ‖ŵ_v − w_v‖ + γ‖ŵ_v‖, max over ids of ‖w_v‖, γ, what flushed subnormals can add):
     # the kernel's screen_argmax computes each row's bound from them and `bounds`
     constants: torch.Tensor
     bounds: torch.Tensor  # float32 (2, V), each rounded up: s_v = ‖ŵ_v − w_v‖ + γ‖ŵ_v‖ and n_v = ‖w_v‖, per id
     rows: tuple[bool, ...] = (True,) * len(ROWS)
     version: tuple[int, int] = (0, 0)  # the weight's (address, version) it was made from
+
+    @property
+    def mode(self) -> int:
+        return MODES[self.kind]
 
     def used(self, n: int) -> bool:
         for r, verdict in zip(ROWS, self.rows, strict=True):
@@ -86,43 +97,79 @@ def applies(head: nn.Module) -> bool:
     )
 
 
-def build(head: nn.Module, measure: bool = True) -> ScreenedHead | None:
-    """The screen of `head` (None where it does not apply), kept on the module (`screen_of` finds it), its use by
-    rows measured here against the whole head unless `measure` is False (then used at every row count ≤ 64)."""
+def kinds_built() -> list[str]:
+    """The screens this machine's kernels can run, fastest expected first (`build` measures the first two)."""
+    return [k for k, ok in (("int8", kernels.screen_q8()), ("bf16_dot", kernels.screen_dot()), ("bf16", True)) if ok]
+
+
+def build(head: nn.Module, measure: bool = True, kind: str = "auto") -> ScreenedHead | None:
+    """The screen of `head` (None where it does not apply), kept on the module (`screen_of` finds it). kind: one of
+    KINDS, or auto: the faster of the two first `kinds_built` (measured once a process per head shape, unless
+    `measure` is False: then the first). Its use by rows is measured here against the whole head unless `measure`
+    is False (then used at every row count ≤ 64)."""
     if not applies(head):
         head.__dict__.pop("_screen", None)
         return None
+    built = kinds_built()
+    if kind != "auto" and kind not in built:
+        raise ValueError(f"screen kind {kind!r} is not built here; built: {built}")
     w = head.weight.detach()
-    dot = kernels.screen_dot()
-    low = w.to(torch.bfloat16)
+    key = (*w.shape, kernels.panels_of(head) is not None, kernels.layout())
+    if kind == "auto":
+        kind = built[0]
+        if measure and len(built) > 1:
+            if key not in _FASTEST:  # the two screens' time depends on the head's shape and this machine only
+                pair = [_made(head, k) for k in built[:2]]
+                _FASTEST[key] = _faster(head, pair)
+            kind = _FASTEST[key]
+    screen = _made(head, kind)
+    head.__dict__["_screen"] = screen
+    if measure:
+        if (key, kind) not in _MEASURED:
+            _MEASURED[(key, kind)] = _measure(head, screen)
+        screen.rows = _MEASURED[(key, kind)]
+    return screen
+
+
+def _made(head: nn.Module, kind: str) -> ScreenedHead:
+    """The screen of `head` of this kind, its bounds computed exactly (module docstring)."""
+    w = head.weight.detach()
     n, k = w.shape
     gamma = (2 * k + 2) * _U / (1 - (2 * k + 2) * _U)
+    if kind == "int8":  # ŵ_v = its scale × its int8 row, what the kernel multiplies (exactly, in float64)
+        panels, scales, sums = fused_head.quantize_panels(w, kernels.lanes())
+        q = panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * panels.shape[2], -1)[:n, :k]
+        q_scales = scales[:n]
+        low = None
+        weights = (alignment.pack([panels])[0], scales, sums)  # huge pages, as the weights
+    else:
+        low = w.to(torch.bfloat16)
+        panels = kernels.panels_of(head) is not None or kind == "bf16_dot"
+        placed = alignment.pack([kernels.to_panels(low) if panels else low])[0]
+        weights = (placed,)
     per_id = torch.empty(2, n, dtype=torch.float64)
     for start in range(0, n, 4096):  # float64 a chunk at a time: the whole head's would be 226 MB
-        wd, ld = w[start : start + 4096].double(), low[start : start + 4096].double()
-        if dot:
-            ld = torch.where(ld.abs() < _TINY, 0.0, ld)
+        wd = w[start : start + 4096].double()
+        if kind == "int8":
+            ld = q[start : start + 4096].double() * q_scales[start : start + 4096].double()[:, None]
+        else:
+            ld = low[start : start + 4096].double()
+            if kind == "bf16_dot":  # the instruction reads subnormals as zero
+                ld = torch.where(ld.abs() < _TINY, 0.0, ld)
         per_id[0, start : start + 4096] = (ld - wd).norm(dim=1) + gamma * ld.norm(dim=1)
         per_id[1, start : start + 4096] = wd.norm(dim=1)
     per_id *= 1 + 1e-9
     slack, norm = (float(v) for v in per_id.max(dim=1).values)
-    panels = kernels.panels_of(head) is not None or dot
-    placed = alignment.pack([kernels.to_panels(low) if panels else low])[0]  # huge pages, as the weights
-    screen = ScreenedHead(
-        low=torch.empty(n, k, dtype=torch.bfloat16, device="meta") if panels else placed,
-        low_panels=placed if panels else None,
-        dot=dot,
-        constants=torch.tensor([slack, norm, gamma, (2 * k + 2) * _TINY], dtype=torch.float64),
+    # what flushed subnormals (the bf16 dot product), or roundings in float32's subnormal range, can add
+    flushed = (2 * k + 2) * _TINY
+    return ScreenedHead(
+        kind=kind,
+        weights=weights,
+        shape=(n, k),
+        constants=torch.tensor([slack, norm, gamma, flushed], dtype=torch.float64),
         bounds=_rounded_up(per_id),
         version=(head.weight.data_ptr(), head.weight._version),
     )
-    head.__dict__["_screen"] = screen
-    if measure:
-        key = (n, k, dot, panels, kernels.layout())
-        if key not in _MEASURED:  # the head's time depends on its shape and this machine, not on its values
-            _MEASURED[key] = _measure(head, screen)
-        screen.rows = _MEASURED[key]
-    return screen
 
 
 def screen_of(head: nn.Module) -> ScreenedHead | None:
@@ -132,7 +179,7 @@ def screen_of(head: nn.Module) -> ScreenedHead | None:
     if screen is None:
         return None
     if screen.version != (head.weight.data_ptr(), head.weight._version):
-        rows, screen = screen.rows, build(head, measure=False)
+        rows, screen = screen.rows, build(head, measure=False, kind=screen.kind)
         if screen is not None:
             screen.rows = rows  # what was measured stays: the weight's values do not change the head's time
     return screen
@@ -168,9 +215,14 @@ def logits_at(head: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> torch.Tens
 
 def screen_scores(screen: ScreenedHead, rows: torch.Tensor) -> torch.Tensor:
     """Every screened logit of float32 `rows` (M, K): (M, ≥ V), past V the panels' zero padding."""
-    if screen.dot:  # every panel's outputs, the padding's zeros past V included
-        return kernels.linear_dot(rows, screen.low_panels.shape[0] * screen.low_panels.shape[2], screen.low_panels)
-    return kernels.linear(rows.contiguous(), screen.low, None, screen.low_panels)
+    if screen.kind == "int8":
+        return kernels.screen_q8_scores(rows, screen.shape[0], *screen.weights)
+    low = screen.weights[0]
+    if screen.kind == "bf16_dot":  # every panel's outputs, the padding's zeros past V included
+        return kernels.linear_dot(rows, low.shape[0] * low.shape[2], low)
+    if low.dim() == 2:  # rows
+        return kernels.linear(rows.contiguous(), low, None, None)
+    return kernels.linear(rows.contiguous(), torch.empty(screen.shape, dtype=low.dtype, device="meta"), None, low)
 
 
 def screened_argmax(
@@ -186,7 +238,7 @@ def screened_argmax(
     panels = kernels.panels_of(head)
     if panels is None and w.dtype != torch.float32:
         return None
-    return kernels.screen_argmax(scores, rows, w, panels, screen.dot, screen.constants, screen.bounds, MAX_CANDIDATES)
+    return kernels.screen_argmax(scores, rows, w, panels, screen.mode, screen.constants, screen.bounds, MAX_CANDIDATES)
 
 
 def _rounded_up(values: torch.Tensor) -> torch.Tensor:
@@ -206,3 +258,14 @@ def _measure(head: nn.Module, screen: ScreenedHead, repeats: int = 9) -> tuple[b
             fns[(n, "screen")] = lambda x=x: screened_argmax(head, screen, x)
         times = interleaved_median_ms(fns, repeats=repeats, warmup=1)
     return tuple(times[(n, "screen")] < times[(n, "whole")] for n in ROWS)
+
+
+def _faster(head: nn.Module, screens: list[ScreenedHead], repeats: int = 9) -> str:
+    """The kind of the faster of `screens` over the rows a step verifies (1, 4 and 8: their times summed;
+    interleaved medians on random rows)."""
+    g = torch.Generator().manual_seed(0)
+    xs = {n: torch.randn(n, head.weight.shape[1], generator=g) for n in (1, 4, 8)}
+    fns = {(s.kind, n): (lambda s=s, x=x: screened_argmax(head, s, x)) for s in screens for n, x in xs.items()}
+    with torch.inference_mode():
+        times = interleaved_median_ms(fns, repeats=repeats, warmup=1)
+    return min(screens, key=lambda s: sum(times[(s.kind, n)] for n in xs)).kind

@@ -1,4 +1,5 @@
-"""The LM head's bfloat16 screen (screened_head.py): greedy tokens are the served head's argmax exactly."""
+"""The LM head's screens (screened_head.py: int8, bfloat16 on the dot product, bfloat16 widened): greedy tokens are
+the served head's argmax exactly."""
 
 from __future__ import annotations
 
@@ -12,14 +13,19 @@ from mirror_train.target import Target
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the kernel")
 
 
-def served_head(weight: torch.Tensor) -> nn.Linear:
+def served_head(weight: torch.Tensor, kind: str = "auto") -> nn.Linear:
     """A bias-free head served as a target's is (the row-exact kernel), with its screen built unmeasured."""
     head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     head.weight.data.copy_(weight)
     head.requires_grad_(False)
     fastpath.install(head, "exact")  # not a model: no screen of its own
-    assert screened_head.build(head, measure=False) is not None
+    assert screened_head.build(head, measure=False, kind=kind) is not None
     return head
+
+
+def built(kind: str) -> None:
+    if kind not in screened_head.kinds_built():
+        pytest.skip(f"the {kind} screen is not built on this CPU")
 
 
 @needs_kernel
@@ -37,18 +43,17 @@ def test_linear_at_computes_the_served_heads_bits_for_the_outputs_it_is_asked(la
 
 @needs_kernel
 @pytest.mark.parametrize("layout", kernels.LAYOUTS)
-@pytest.mark.parametrize("dot", [True, False])
+@pytest.mark.parametrize("kind", screened_head.KINDS)
 @pytest.mark.parametrize("k", [96, 95])
 @pytest.mark.parametrize("values", ["float32", "bfloat16"])
-def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout, dot, k, values, monkeypatch):
+def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout, kind, k, values, monkeypatch):
     """Random heads and rows (1–40 of them, scaled from tiny to large logits), rows whose best ids are near-ties,
     and exact ties (duplicated weight rows: the first id wins, as torch.argmax): every token is the served head's.
-    Both screens: the dot product's (bfloat16 inputs, an odd K's last pair padded) where the CPU has it, and the
-    widened weights'; a head of float32 values, and one of bfloat16 values read from its bfloat16 copy
-    (kernels.serve_narrow), whose screen is the head itself rounded to nothing."""
-    if dot and not kernels.screen_dot():
-        pytest.skip("no AVX512-BF16 here")
-    monkeypatch.setattr(kernels, "screen_dot", lambda: dot)
+    Every screen the CPU builds: int8 (each input in two bytes, an odd K's last quad padded), the dot product's
+    (bfloat16 inputs, an odd K's last pair padded) and the widened weights'; a head of float32 values, and one of
+    bfloat16 values read from its bfloat16 copy (kernels.serve_narrow), whose bfloat16 screen is the head itself
+    rounded to nothing."""
+    built(kind)
     monkeypatch.setattr(kernels, "layout", lambda dtype=None: layout)
     monkeypatch.setattr(kernels, "narrow", lambda dtype=None: True)
     g = torch.Generator().manual_seed(0)
@@ -58,11 +63,13 @@ def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout
         w = w.bfloat16().float()
         w[701] = torch.nextafter(w[31].bfloat16(), torch.tensor(9.0, dtype=torch.bfloat16)).float()  # near-ties
     w[700] = w[30]  # exact ties between 30 and 700
-    head = served_head(w)
+    head = served_head(w, kind)
     read = kernels.served(head)[layout == "panels"]
     assert read.dtype == (torch.bfloat16 if values == "bfloat16" else torch.float32)
     screen = screened_head.screen_of(head)
-    assert screen.dot == dot and (screen.low_panels is not None) == (dot or layout == "panels")
+    assert screen.kind == kind
+    if kind != "int8":  # the bfloat16 weight as rows or as panels (the dot product reads panels)
+        assert (screen.weights[0].dim() != 2) == (kind == "bf16_dot" or layout == "panels")
     checked = 0
     for scale in (1e-3, 1.0, 30.0, 1e3):
         for rows in (1, 2, 3, 5, 8, 16, 40):
@@ -103,18 +110,21 @@ def test_greedy_tokens_row_by_row_cap_the_logits_they_compute(monkeypatch):
     screen = screened_head.screen_of(head)
     x = torch.randn(6, 64, generator=g)
     scores = screened_head.screen_scores(screen, x)
-    ids = kernels.screen_argmax(scores, x, w, None, screen.dot, screen.constants, screen.bounds, 10**6)
+    ids = kernels.screen_argmax(scores, x, w, None, screen.mode, screen.constants, screen.bounds, 10**6)
     assert ids == head(x).argmax(-1).tolist()
-    assert kernels.screen_argmax(scores, x, w, None, screen.dot, screen.constants, screen.bounds, 5) is None
+    assert kernels.screen_argmax(scores, x, w, None, screen.mode, screen.constants, screen.bounds, 5) is None
 
 
 @needs_kernel
 @pytest.mark.parametrize("layout", kernels.LAYOUTS)
 @pytest.mark.parametrize("values", ["float32", "bfloat16"])
-def test_per_id_bounds_keep_the_argmax_where_row_norms_differ_widely(layout, values, monkeypatch):
+@pytest.mark.parametrize("kind", screened_head.KINDS)
+def test_per_id_bounds_keep_the_argmax_where_row_norms_differ_widely(layout, values, kind, monkeypatch):
     """The bound is per id (‖w_v‖ and its rounding error's): a head whose rows' norms span 10⁴ (a few huge rows near
     the top, many tiny ones) and rows aimed at each, so that the largest rows' errors dwarf the small ones' and near
-    ties cross between them. Every token is the served head's, on rows, float32 panels and bfloat16 panels."""
+    ties cross between them. Every token is the served head's, on rows, float32 panels and bfloat16 panels, through
+    every screen built here."""
+    built(kind)
     monkeypatch.setattr(kernels, "layout", lambda dtype=None: layout)
     monkeypatch.setattr(kernels, "narrow", lambda dtype=None: True)
     g = torch.Generator().manual_seed(6)
@@ -123,7 +133,7 @@ def test_per_id_bounds_keep_the_argmax_where_row_norms_differ_widely(layout, val
         w = w.bfloat16().float()
     big = int(w.norm(dim=1).argmax())
     w[5] = w[big] * 0.999  # a near-tie with the largest row, from another norm's error
-    head = served_head(w)
+    head = served_head(w, kind)
     screen = screened_head.screen_of(head)
     assert screen.bounds.dtype == torch.float32 and screen.bounds.shape == (2, 777)
     assert float(screen.bounds[1].min()) < 1e-3 * float(screen.bounds[1].max())
@@ -148,20 +158,78 @@ def test_the_per_id_bound_keeps_fewer_candidates_than_the_largest_norms_bound():
     screen = screened_head.screen_of(head)
     x = w[0] * 40 + 0.1 * torch.randn(8, 256, generator=g)
     scores = screened_head.screen_scores(screen, x)[:, :4000].double()
-    xd, xl = x.double(), x.bfloat16().double() if screen.dot else x.double()
+    xd, xl = x.double(), screened_rows(screen, x)
     c0, c1, gamma = (float(v) for v in screen.constants[:3])
     e = xl.norm(dim=1) * c0 + (gamma * xd.norm(dim=1) + (xl - xd).norm(dim=1)) * c1
     old = int((scores >= scores.max(dim=1, keepdim=True).values - 2 * e[:, None]).sum())
     assert old >= 300
     panels = kernels.panels_of(head)
     most = 10**6
-    assert kernels.screen_argmax(scores.float(), x, w, panels, screen.dot, screen.constants, screen.bounds, most)
+    assert kernels.screen_argmax(scores.float(), x, w, panels, screen.mode, screen.constants, screen.bounds, most)
     low, high = 0, most  # the fewest logits the kernel computes: the largest `most` that refuses, plus one
     while low < high:
         mid = (low + high) // 2
-        got = kernels.screen_argmax(scores.float(), x, w, panels, screen.dot, screen.constants, screen.bounds, mid)
+        got = kernels.screen_argmax(scores.float(), x, w, panels, screen.mode, screen.constants, screen.bounds, mid)
         low, high = (low, mid) if got is not None else (mid + 1, high)
     assert low - 8 <= old / 10, (low, old)  # less the 8 rows' lower bounds
+
+
+def screened_rows(screen: screened_head.ScreenedHead, x: torch.Tensor) -> torch.Tensor:
+    """The rows x as the screen read them (x̂), exactly, in float64: as they are, rounded to bfloat16, or in two
+    int8 bytes a value (csrc/screen_q8.c's split, replayed in float32 arithmetic)."""
+    if screen.kind == "bf16":
+        return x.double()
+    if screen.kind == "bf16_dot":
+        return x.bfloat16().double()
+    big = x.abs().amax(dim=1, keepdim=True)
+    s = torch.where(big > 0, big / 127, torch.ones_like(big))
+    t = x * (1 / s)
+    h = torch.round(t).clamp(-127, 127)
+    lo = torch.round((t - h) * 254).clamp(-127, 127)
+    return s.double() * (h.double() + float(torch.tensor(1 / 254)) * lo.double())
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", screened_head.KINDS)
+def test_every_screened_logit_is_within_its_bound_of_the_served_one(kind):
+    """The bound itself, id by id: |a_v − y_v| ≤ ‖x̂‖·s_v + (γ‖x‖ + ‖x̂ − x‖)·n_v + c₃ for every id of rows that stress
+    each screen's rounding (an outlier feature 300× the others, values across 20 binades, a row of one value, tiny
+    rows near float32's subnormals) against the served head's logits; and where the int8 screen is built, its
+    candidates stay few on rows like a language model's (a few outlier features): its two bytes a value keep the
+    input's rounding near float32's."""
+    built(kind)
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(3000, 200, generator=g) * 0.05
+    w[:10] *= 30
+    head = served_head(w, kind)
+    screen = screened_head.screen_of(head)
+    x = torch.randn(12, 200, generator=g)
+    x[0, 7] = 300.0
+    x[1] = torch.randn(200, generator=g) * torch.logspace(-10, 10, 200)
+    x[2] = 1.5
+    x[3] = torch.randn(200, generator=g) * 1e-30
+    x[4:8] *= 40
+    x[4:8, :3] = 2000.0
+    served = head(x).double()
+    scores = screened_head.screen_scores(screen, x)[:, :3000].double()
+    xl, xd = screened_rows(screen, x), x.double()
+    c0, c1, gamma, c3 = (float(v) for v in screen.constants)
+    s_v, n_v = screen.bounds.double()
+    e = xl.norm(dim=1)[:, None] * s_v + (gamma * xd.norm(dim=1) + (xl - xd).norm(dim=1))[:, None] * n_v + c3
+    assert bool(((scores - served).abs() <= e).all())
+    assert screened_head.screened_argmax(head, screen, x) == head(x).argmax(-1).tolist()
+    if kind == "int8":
+        rows = w[100:108] * 30 + torch.randn(8, 200, generator=g)
+        rows[:, :2] = 60.0  # a few outlier features, as a language model's final states have
+        fewest = next(
+            m
+            for m in (16, 32, 64, 128, 256, 3000)
+            if kernels.screen_argmax(
+                screened_head.screen_scores(screen, rows), rows, w, None, screen.mode, screen.constants,
+                screen.bounds, m,
+            )
+        )
+        assert fewest <= 32, fewest  # 8 rows: their lower bounds and ~3 candidates each at most
 
 
 @needs_kernel
@@ -218,15 +286,15 @@ def test_the_testbeds_greedy_tokens_through_the_screen_are_its_heads(testbed_pat
 
 @needs_kernel
 def test_the_avx2_and_scalar_builds_screen_the_same_tokens(other_kernel_build):
-    """Built as an AVX2-only CPU (no dot product: the widened bfloat16 weights) and as plain x86-64 build them, the
+    """Built as an AVX2-only CPU (no dot products: the widened bfloat16 weights) and as plain x86-64 build them, the
     screen's selection runs its 8-lane and scalar code: the tokens are still the head's."""
-    assert not kernels.screen_dot()
+    assert not kernels.screen_dot() and not kernels.screen_q8()
     g = torch.Generator().manual_seed(4)
     w = torch.randn(777, 40, generator=g) * 0.1
     w[500] = w[7]
     head = served_head(w)
     screen = screened_head.screen_of(head)
-    assert not screen.dot
+    assert screen.kind == "bf16"
     for rows in (1, 2, 5, 16):
         x = torch.randn(rows, 40, generator=g) * 10
         x[0] = w[7] * 100

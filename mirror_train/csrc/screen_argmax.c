@@ -8,8 +8,9 @@ static int64_t screen_first_max(const float *a, int64_t n) {
 }
 
 /* The screen's candidates: every output v < n that could be the largest of a row's exact logits.
-   a: the screened logits (M rows, lda apart) of the float32 rows x (M x K); dot: x was rounded to bfloat16 (the
-   dot product's screen), else read as it is (widened bfloat16 weights). With x^ the screen's x, a screened logit
+   a: the screened logits (M rows, lda apart) of the float32 rows x (M x K); mode: how the screen read x: 0 as it is
+   (widened bfloat16 weights), 1 rounded to bfloat16 (the dot product's screen), 2 in two int8 bytes a value
+   (screen_q8.c: x^ = s (h + Q8_LO l)). With x^ the screen's x, a screened logit
    is within e_v = |x^| s_v + (g |x| + |x^ - x|) n_v + c3 of the exact one (screened_head.py), s_v = |w^_v - w_v| +
    g |w^_v| and n_v = |w_v| the head's per-id constants (sv, nv: rounded up), c: max s_v, max n_v, g, what flushed
    subnormals add. lower: each row's exact logit at one id (its screened argmax): the exact maximum is at least
@@ -18,12 +19,21 @@ static int64_t screen_first_max(const float *a, int64_t n) {
    session's) this keeps ~30x fewer ids on the testbed's flat rows (random-token contexts: ~150 a row -> ~3). */
 /* Each row's scales (alpha: of s_v, beta: of n_v) and base (the threshold before e_v: lower less c3 and a slack that
    covers float32's rounding of a_v + e_v); -1 where one is not finite. */
-static int screen_scales(const float *x, int64_t M, int64_t K, int dot, const double *c, const double *lower,
+/* In mode 2 the screen's sums are integers, exact, and so is their conversion to float32 for K < 1040 (|S| < 2^24;
+   past it each is rounded once); with the combination's three roundings the screened logit is within 6u of
+   s ws sum_k (|h_k| + Q8_LO |l_k|) |wq_k| <= 3 |x^| |w^_v| (each |h| + Q8_LO |l| is at most 3 |h + Q8_LO l|: |l| / 254 <=
+   1/2 <= |h| where h != 0): inside the g |x^| |w^_v| that alpha s_v already holds (g = (2K + 2) u). */
+static int screen_scales(const float *x, int64_t M, int64_t K, int mode, const double *c, const double *lower,
                          float *alpha, float *beta, float *base) {
     for (int64_t r = 0; r < M; r++) {
         double nx = 0, nl = 0, nd = 0;
+        float s = mode == 2 ? q8_row_scale(x + r * K, K) : 1.0f, inv = 1.0f / s, h, lo;
         for (int64_t k = 0; k < K; k++) {
-            double v = x[r * K + k], l = dot ? (double)screen_f32_of(screen_bf16_of(x[r * K + k])) : v;
+            double v = x[r * K + k], l = v;
+            if (mode == 1)
+                l = (double)screen_f32_of(screen_bf16_of(x[r * K + k]));
+            else if (mode == 2)
+                q8_split(x[r * K + k], inv, &h, &lo), l = (double)s * ((double)h + (double)Q8_LO * (double)lo);
             nx += v * v, nl += l * l, nd += (l - v) * (l - v);
         }
         double al = sqrt(nl) * (1 + 1e-6), be = (c[2] * sqrt(nx) + sqrt(nd)) * (1 + 1e-6);
@@ -68,19 +78,19 @@ static inline float screen_exact(const float *xr, int64_t K, const void *w, int 
    once done in torch cost 8 rows ~0.6 ms of small operations (thirty-eighth session). ids: M. Returns the logits
    computed, or -1 where a bound is not finite, a logit is NaN or they would pass max_candidates (the caller then
    takes the whole head). */
-int64_t screen_argmax(const float *a, int64_t M, int64_t n, int64_t lda, const float *x, int64_t K, int dot,
+int64_t screen_argmax(const float *a, int64_t M, int64_t n, int64_t lda, const float *x, int64_t K, int mode,
                       const double *c, const float *sv, const float *nv, const void *w, int layout,
                       int64_t max_candidates, int64_t *ids) {
     double lower[64];
     float best[64], alpha[64], beta[64], base[64];
-    if (M > 64 || layout < 0 || layout > 2) return -1;
+    if (M > 64 || layout < 0 || layout > 2 || mode < 0 || mode > 2) return -1;
     int64_t count = 0;
     for (int64_t r = 0; r < M; r++) {
         int64_t v = screen_first_max(a + r * lda, n);
         lower[r] = screen_exact(x + r * K, K, w, layout, v); /* NaN: screen_scales says not finite */
         count++;
     }
-    if (screen_scales(x, M, K, dot, c, lower, alpha, beta, base) < 0) return -1;
+    if (screen_scales(x, M, K, mode, c, lower, alpha, beta, base) < 0) return -1;
     for (int64_t r = 0; r < M; r++) ids[r] = -1, best[r] = -INFINITY;
 #define SCREEN_EXACT(v, r)                                                                   \
     {                                                                                        \
