@@ -168,7 +168,7 @@ def install(model: nn.Module, kind: str = "auto") -> str:
         elif narrow is not None:
             kernels.serve_narrow(*readable, dtype=narrow)
         if isinstance(head, ExactLinear) and screened_head.screen_of(head) is None:
-            screened_head.build(head)  # greedy tokens through a bfloat16 screen, where it pays (measured here)
+            screened_head.build(head)  # greedy tokens through an int8 or bfloat16 screen, where it pays (measured here)
         return kind
     if kind == "fastest":
         paths = ["torch"]

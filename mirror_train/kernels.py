@@ -245,9 +245,8 @@ def screen_q8_scores(
     m, k = rows.shape
     out = torch.empty(m, n, dtype=torch.float32)
     scratch = torch.empty(2 * m * ((k + 3) // 4) + m, dtype=torch.int32)
-    lib = _library()
-    lib.screen_q8(rows.data_ptr(), m, k, panels.data_ptr(), scales.data_ptr(), sums.data_ptr(), out.data_ptr(), n, n,
-                  scratch.data_ptr())
+    weights = [t.data_ptr() for t in (panels, scales, sums)]
+    _library().screen_q8(rows.data_ptr(), m, k, *weights, out.data_ptr(), n, n, scratch.data_ptr())
     return out
 
 

@@ -1,22 +1,33 @@
-"""Greedy tokens without reading the whole float32 LM head: a bfloat16 screen bounds where the argmax can be, and the
-served head computes exactly only there.
+"""Greedy tokens without reading the whole float32 LM head: a low-precision screen bounds where the argmax can be,
+and the served head computes exactly only there.
 
 A greedy step needs one thing of the LM head: the id of each row's largest logit. Computing all V logits in float32
 reads the whole head (the testbed's 49,152 x 576: 113 MB, a fifth of a step's weights) and, at a window's 8 rows,
-costs ~18% of the step's multiply-adds. The screen computes every logit from the head's weight rounded to bfloat16
-(half the bytes; with AVX512-BF16's dot product of pairs, half the instructions too, on inputs rounded to bfloat16),
-and a bound on how far each screened logit can be from the served one. Every id whose served logit could be the
-largest is a candidate; the served head (the same kernel, the same bits: `kernels.linear_at`) computes those alone,
-and the largest of them, lowest id first on a tie as `torch.argmax`, is the token. The output is the served head's
-argmax exactly, whatever the screen rounds: what it changes is the time.
+costs ~18% of the step's multiply-adds. The screen computes every logit from a low-precision copy of the head, and a
+bound on how far each screened logit can be from the served one. Every id whose served logit could be the largest
+is a candidate; the served head (the same kernel, the same bits: `kernels.linear_at`) computes those alone, and the
+largest of them, lowest id first on a tie as `torch.argmax`, is the token. The output is the served head's argmax
+exactly, whatever the screen rounds: what it changes is the time. Three screens (KINDS):
+- `int8` (AVX512-VNNI, csrc/screen_q8.c): each weight row in int8 with its own scale (a quarter of the bytes), each
+  input row in two int8 bytes a value (x ≈ s·(h + l/254), so the input's rounding stays near float32's and the
+  bound near the bfloat16 screen's: on the testbed's final states ~2 candidates a row, against ~27 with one byte),
+  on the dot product of byte quads, whose integer sums are exact. On the AMX Xeon its scores took 1.6 ms at one row
+  and 3.0 at eight against the bfloat16 dot product's 4.4 and 4.5 (docs/engine.md, forty-third session);
+- `bf16_dot` (AVX512-BF16): the weight rounded to bfloat16 (half the bytes) on the dot product of pairs, the inputs
+  rounded to bfloat16 too;
+- `bf16`: the bfloat16 weight widened to float32, the inputs as they are (any CPU the kernels build on).
+`build` takes the faster of the first two this CPU builds, measured once a process.
 
-The bound. For a row x and an id v, with x̂, ŵ_v the screen's bfloat16 values (subnormals flushed, as the
-instruction reads them) and u = 2⁻²⁴, the screen's sum differs from the served one by at most
+The bound. For a row x and an id v, with x̂, ŵ_v the screen's values (subnormals flushed where the bfloat16
+instruction reads them so; ŵ_v = the row's scale × its int8 values for `int8`) and u = 2⁻²⁴, the screen's sum
+differs from the served one by at most
     |x̂·ŵ_v − x·w_v| + γ(n)·Σ|x̂_k ŵ_vk| + γ(n)·Σ|x_k w_vk|  ≤  ‖x̂‖·(‖ŵ_v − w_v‖ + γ‖ŵ_v‖) + (γ‖x‖ + ‖x̂ − x‖)·‖w_v‖
                                                             =  α·s_v + β·n_v  =: e_v
 (Cauchy–Schwarz, and γ(n) = n·u / (1 − n·u) bounding any order of n float32 additions: n = 2K + 2 covers both
-sums), plus n flushed subnormals. s_v and n_v are the head's, per id (measured once, exactly, in float64, rounded up
-to float32: `ScreenedHead.bounds`); α, β the row's (its norms in float64 each call). The served logit at the row's
+sums; the int8 screen's sums are exact integers, and its few float32 roundings after them lie inside the same γ
+term: csrc/screen_argmax.c), plus n flushed subnormals. s_v and n_v are the head's, per id (measured once, exactly,
+in float64, rounded up to float32: `ScreenedHead.bounds`); α, β the row's (its norms in float64 each call, from x̂
+as the screen rounded it). The served logit at the row's
 screened argmax, L, is computed first: the served maximum is at least L, so every id whose served logit is the
 maximum has a screened logit a_v ≥ L − e_v: the candidates, each computed by the served arithmetic in one C call
 (kernels' `screen_argmax`). Against the first bound
@@ -25,9 +36,9 @@ a row on random-token contexts; docs/engine.md, thirty-eighth session): L is exa
 typical id's norm is ~0.4 of the largest.
 
 Where it pays is measured once per machine, by rows (`ScreenedHead.rows`, at the fast path's install): with the
-dot product it roughly halves the head's time at 1–16 rows on an AVX-512 Zen 4 core (docs/engine.md, thirty-third
-session). Greedy only: sampling needs every probability (`Target.greedy_scores` is for temperature 0), as does
-transformers' `generate` (its logits processors), which therefore still reads the whole head.
+bfloat16 dot product it roughly halves the head's time at 1–16 rows on an AVX-512 Zen 4 core (docs/engine.md,
+thirty-third session). Greedy only: sampling needs every probability (`Target.greedy_scores` is for temperature 0),
+as does transformers' `generate` (its logits processors), which therefore still reads the whole head.
 """
 
 from __future__ import annotations
@@ -48,7 +59,7 @@ MAX_CANDIDATES = 4096
 _U = 2.0**-24
 _TINY = 2.0**-126  # float32's smallest normal: what the dot product flushes to zero
 _MEASURED: dict[tuple, tuple[bool, ...]] = {}  # `_measure`'s verdicts by ((V, K, panels, layout), kind), per process
-_FASTEST: dict[tuple, str] = {}  # `_faster`'s choice by (V, K, panels, layout), per process
+_FASTEST: dict[tuple, str] = {}  # `_faster`'s choice by ((V, K, panels, layout), the two kinds), per process
 
 
 KINDS = ("int8", "bf16_dot", "bf16")  # what the screen reads (module docstring); `build` takes the fastest built here
@@ -118,10 +129,10 @@ def build(head: nn.Module, measure: bool = True, kind: str = "auto") -> Screened
     if kind == "auto":
         kind = built[0]
         if measure and len(built) > 1:
-            if key not in _FASTEST:  # the two screens' time depends on the head's shape and this machine only
-                pair = [_made(head, k) for k in built[:2]]
-                _FASTEST[key] = _faster(head, pair)
-            kind = _FASTEST[key]
+            pair = (key, *built[:2])  # the two screens' time depends on the head's shape and this machine only
+            if pair not in _FASTEST:
+                _FASTEST[pair] = _faster(head, [_made(head, k) for k in built[:2]])
+            kind = _FASTEST[pair]
     screen = _made(head, kind)
     head.__dict__["_screen"] = screen
     if measure:

@@ -365,7 +365,7 @@ class Target:
     @torch.inference_mode()
     def greedy(self, normed_hidden: torch.Tensor) -> list[int]:
         """`self.logits(normed_hidden).argmax(-1)` for each row of (..., H) states, exactly (the first id on a tie),
-        through the LM head's bfloat16 screen where the fast path built one (screened_head.py: the served head then
+        through the LM head's low-precision screen where the fast path built one (screened_head.py: the served head then
         computes only the ids that could be the largest)."""
         return self.greedy_scores(normed_hidden)[0]
 

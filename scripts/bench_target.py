@@ -9,7 +9,7 @@ the default and the fast forward path (mirror_train/fastpath.py), one thread, as
 - step_ms / default_step_ms: median ms of a greedy step of 1, 2, 4, 8, 16 new tokens after `--context` cached
   positions (the forward and each row's token, the argmax of its logits, as the engine verifies at temperature 0;
   the cache cropped back after each), on the fast path (`auto`: the row-exact kernels where they build, the LM
-  head's bfloat16 screen where it pays, screened_head.py) and on torch's default path (its linears, the
+  head's int8 or bfloat16 screen where it pays, screened_head.py) and on torch's default path (its linears, the
   row-invariant attention's one SDPA call a row, the whole head); logits_step_ms: the fast path's forward with
   every logit (what sampling pays); onednn_step_ms the greedy step on oneDNN's prepacked linears, for comparison
   (where torch has oneDNN); each path on its own copy of the target, every (path, width) timed in turn round after

@@ -221,15 +221,31 @@ def test_every_screened_logit_is_within_its_bound_of_the_served_one(kind):
     if kind == "int8":
         rows = w[100:108] * 30 + torch.randn(8, 200, generator=g)
         rows[:, :2] = 60.0  # a few outlier features, as a language model's final states have
+        scores = screened_head.screen_scores(screen, rows)
         fewest = next(
-            m
-            for m in (16, 32, 64, 128, 256, 3000)
-            if kernels.screen_argmax(
-                screened_head.screen_scores(screen, rows), rows, w, None, screen.mode, screen.constants,
-                screen.bounds, m,
-            )
+            most
+            for most in (16, 32, 64, 128, 256, 3000)
+            if kernels.screen_argmax(scores, rows, w, None, screen.mode, screen.constants, screen.bounds, most)
         )
         assert fewest <= 32, fewest  # 8 rows: their lower bounds and ~3 candidates each at most
+
+
+@needs_kernel
+def test_the_screen_measured_is_the_faster_of_the_two_first_built_and_kept_when_its_weight_changes(monkeypatch):
+    """`build` with measuring takes one of the two fastest-expected screens this CPU builds (by their measured time),
+    a rebuilt screen (its weight changed in place) keeps that kind, and a kind not built here is refused."""
+    head = served_head(torch.randn(700, 64, generator=torch.Generator().manual_seed(9)))
+    screen = screened_head.build(head)
+    built = screened_head.kinds_built()
+    assert screen.kind in built[:2] and len(screen.rows) == len(screened_head.ROWS)
+    with torch.no_grad():
+        head.weight.mul_(0.5)
+    assert screened_head.screen_of(head).kind == screen.kind
+    monkeypatch.setattr(kernels, "screen_q8", lambda: False)
+    monkeypatch.setattr(kernels, "screen_dot", lambda: False)
+    assert screened_head.kinds_built() == ["bf16"]
+    with pytest.raises(ValueError, match="not built here"):
+        screened_head.build(head, kind="int8")
 
 
 @needs_kernel
