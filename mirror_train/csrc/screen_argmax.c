@@ -1,10 +1,20 @@
-/* The first id of a row's largest screened logit (where its exact logit is a lower bound of the exact maximum) */
+/* The first id of a row's largest screened logit (where its exact logit is a lower bound of the exact maximum).
+   Any id would give a true lower bound (its served logit): the largest screened one gives the tightest, and which
+   of equal or NaN ones is taken changes only the candidates' count, never the token. */
 static int64_t screen_first_max(const float *a, int64_t n) {
     float m = -INFINITY;
-    int64_t best = 0;
-    for (int64_t v = 0; v < n; v++)
-        if (a[v] > m) m = a[v], best = v;
-    return best;
+    int64_t v = 0;
+#if LANES == 16
+    if (n >= 16) {  /* the maximum 16 lanes at a time, then its first id: ~5x fewer instructions than one by one */
+        __m512 mv = _mm512_loadu_ps(a);
+        for (v = 16; v + 16 <= n; v += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(a + v));
+        m = _mm512_reduce_max_ps(mv);
+    }
+#endif
+    for (; v < n; v++) m = a[v] > m ? a[v] : m;
+    for (v = 0; v < n; v++)
+        if (a[v] == m) return v;
+    return 0;
 }
 
 /* The screen's candidates: every output v < n that could be the largest of a row's exact logits.
