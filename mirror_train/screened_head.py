@@ -252,6 +252,22 @@ def screened_argmax(
     return kernels.screen_argmax(scores, rows, w, panels, screen.mode, screen.constants, screen.bounds, MAX_CANDIDATES)
 
 
+def read_rows(screen: ScreenedHead, x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as the screen reads it (x̂ of the bound), exactly, in float64: as it is, rounded to bfloat16, or
+    int8's two bytes a value (csrc/screen_q8.c's split, replayed in float32 arithmetic). For tests and benchmarks:
+    the kernels compute it themselves."""
+    if screen.kind == "bf16":
+        return x.double()
+    if screen.kind == "bf16_dot":
+        return x.bfloat16().double()
+    big = x.abs().amax(dim=1, keepdim=True)
+    s = torch.where(big > 0, big / 127, torch.ones_like(big))
+    t = x * (1 / s)
+    h = torch.round(t).clamp(-127, 127)
+    lo = torch.round((t - h) * 254).clamp(-127, 127)
+    return s.double() * (h.double() + float(torch.tensor(1 / 254)) * lo.double())
+
+
 def _rounded_up(values: torch.Tensor) -> torch.Tensor:
     """float64 values as float32, each rounded up (a bound stays a bound)."""
     low = values.float()

@@ -158,7 +158,7 @@ def test_the_per_id_bound_keeps_fewer_candidates_than_the_largest_norms_bound():
     screen = screened_head.screen_of(head)
     x = w[0] * 40 + 0.1 * torch.randn(8, 256, generator=g)
     scores = screened_head.screen_scores(screen, x)[:, :4000].double()
-    xd, xl = x.double(), screened_rows(screen, x)
+    xd, xl = x.double(), screened_head.read_rows(screen, x)
     c0, c1, gamma = (float(v) for v in screen.constants[:3])
     e = xl.norm(dim=1) * c0 + (gamma * xd.norm(dim=1) + (xl - xd).norm(dim=1)) * c1
     old = int((scores >= scores.max(dim=1, keepdim=True).values - 2 * e[:, None]).sum())
@@ -172,21 +172,6 @@ def test_the_per_id_bound_keeps_fewer_candidates_than_the_largest_norms_bound():
         got = kernels.screen_argmax(scores.float(), x, w, panels, screen.mode, screen.constants, screen.bounds, mid)
         low, high = (low, mid) if got is not None else (mid + 1, high)
     assert low - 8 <= old / 10, (low, old)  # less the 8 rows' lower bounds
-
-
-def screened_rows(screen: screened_head.ScreenedHead, x: torch.Tensor) -> torch.Tensor:
-    """The rows x as the screen read them (x̂), exactly, in float64: as they are, rounded to bfloat16, or in two
-    int8 bytes a value (csrc/screen_q8.c's split, replayed in float32 arithmetic)."""
-    if screen.kind == "bf16":
-        return x.double()
-    if screen.kind == "bf16_dot":
-        return x.bfloat16().double()
-    big = x.abs().amax(dim=1, keepdim=True)
-    s = torch.where(big > 0, big / 127, torch.ones_like(big))
-    t = x * (1 / s)
-    h = torch.round(t).clamp(-127, 127)
-    lo = torch.round((t - h) * 254).clamp(-127, 127)
-    return s.double() * (h.double() + float(torch.tensor(1 / 254)) * lo.double())
 
 
 @needs_kernel
@@ -212,7 +197,7 @@ def test_every_screened_logit_is_within_its_bound_of_the_served_one(kind):
     x[4:8, :3] = 2000.0
     served = head(x).double()
     scores = screened_head.screen_scores(screen, x)[:, :3000].double()
-    xl, xd = screened_rows(screen, x), x.double()
+    xl, xd = screened_head.read_rows(screen, x), x.double()
     c0, c1, gamma, c3 = (float(v) for v in screen.constants)
     s_v, n_v = screen.bounds.double()
     e = xl.norm(dim=1)[:, None] * s_v + (gamma * xd.norm(dim=1) + (xl - xd).norm(dim=1))[:, None] * n_v + c3
