@@ -256,11 +256,12 @@ def test_the_screen_follows_its_heads_weight_and_steps_aside_where_it_cannot_bou
 
 @needs_kernel
 def test_a_targets_greedy_tokens_are_its_logits_argmax(tiny_model_dir):
-    """`Target.greedy` on a served tiny target (its screen built and measured by the fast path's install) against
-    the argmax of its logits, and the engine's greedy output against plain decoding (test_engine.py covers more)."""
+    """`Target.greedy` on a served tiny target (its screen built and measured by the fast path's install, and named
+    where it was served: fastpath.describe) against the argmax of its logits."""
     target = Target.load(str(tiny_model_dir))
     fastpath.install(target.model, "exact")
-    assert screened_head.screen_of(target.lm_head) is not None
+    screen = screened_head.screen_of(target.lm_head)
+    assert screen is not None and fastpath.describe(target.model)["head_screen"] == screen.kind  # what reports name
     g = torch.Generator().manual_seed(2)
     for rows in (1, 4, 9):
         final = target.decoder.norm(torch.randn(1, rows, target.config.hidden_size, generator=g) * 3)

@@ -17,6 +17,9 @@ from mirror_train.eval.questions import TASKS
 
 BASELINE = "ar"
 
+# what a report says of how the target was served on each machine (fastpath.describe, the prefill's threads)
+SERVED_KEYS = ("fast_path", "layout", "weights_read", "head_screen", "prefill_threads")
+
 
 def read_answers(path: Path) -> list[dict]:
     records = []
@@ -107,9 +110,7 @@ def markdown(result: dict, run: dict | None = None) -> str:
             "",
         ]
         for m in run.get("machines", []):  # each (re)start of the run: where its answers were timed
-            served = ", ".join(
-                f"{k} {m[k]}" for k in ("fast_path", "layout", "weights_read", "prefill_threads") if m.get(k)
-            )
+            served = ", ".join(f"{k} {m[k]}" for k in SERVED_KEYS if m.get(k))
             lines += [
                 f"Served from {m.get('started', '?')} on {m.get('cpu', '?')} ({m.get('target_device')}): {served}.",
                 "",
