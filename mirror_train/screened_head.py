@@ -16,7 +16,7 @@ exactly, whatever the screen rounds: what it changes is the time. Three screens 
 - `bf16_dot` (AVX512-BF16): the weight rounded to bfloat16 (half the bytes) on the dot product of pairs, the inputs
   rounded to bfloat16 too;
 - `bf16`: the bfloat16 weight widened to float32, the inputs as they are (any CPU the kernels build on).
-`build` takes the faster of the first two this CPU builds, measured once a process.
+`build` takes the fastest this CPU builds, measured once a process.
 
 The bound. For a row x and an id v, with x̂, ŵ_v the screen's values (subnormals flushed where the bfloat16
 instruction reads them so; ŵ_v = the row's scale × its int8 values for `int8`) and u = 2⁻²⁴, the screen's sum
@@ -59,7 +59,7 @@ MAX_CANDIDATES = 4096
 _U = 2.0**-24
 _TINY = 2.0**-126  # float32's smallest normal: what the dot product flushes to zero
 _MEASURED: dict[tuple, tuple[bool, ...]] = {}  # `_measure`'s verdicts by ((V, K, panels, layout), kind), per process
-_FASTEST: dict[tuple, str] = {}  # `_faster`'s choice by ((V, K, panels, layout), the two kinds), per process
+_FASTEST: dict[tuple, str] = {}  # `_fastest`'s choice by ((V, K, panels, layout), the kinds built), per process
 
 
 KINDS = ("int8", "bf16_dot", "bf16")  # what the screen reads (module docstring); `build` takes the fastest built here
@@ -109,15 +109,16 @@ def applies(head: nn.Module) -> bool:
 
 
 def kinds_built() -> list[str]:
-    """The screens this machine's kernels can run, fastest expected first (`build` measures the first two)."""
+    """The screens this machine's kernels can run, fastest expected first (`build` measures them)."""
     return [k for k, ok in (("int8", kernels.screen_q8()), ("bf16_dot", kernels.screen_dot()), ("bf16", True)) if ok]
 
 
 def build(head: nn.Module, measure: bool = True, kind: str = "auto") -> ScreenedHead | None:
     """The screen of `head` (None where it does not apply), kept on the module (`screen_of` finds it). kind: one of
-    KINDS, or auto: the faster of the two first `kinds_built` (measured once a process per head shape, unless
-    `measure` is False: then the first). Its use by rows is measured here against the whole head unless `measure`
-    is False (then used at every row count ≤ 64)."""
+    KINDS, or auto: the fastest of `kinds_built` (measured once a process per head shape, unless `measure` is False:
+    then the first). Its use by rows is measured here against the whole head unless `measure` is False (then used at
+    every row count ≤ 64). Why measure rather than rank: on the AMX Xeon the widened bfloat16 screen beat the
+    bfloat16 dot product at 1–4 rows (`scripts/bench_screen.py`, forty-third session), on Zen 4 the other way round."""
     if not applies(head):
         head.__dict__.pop("_screen", None)
         return None
@@ -129,10 +130,10 @@ def build(head: nn.Module, measure: bool = True, kind: str = "auto") -> Screened
     if kind == "auto":
         kind = built[0]
         if measure and len(built) > 1:
-            pair = (key, *built[:2])  # the two screens' time depends on the head's shape and this machine only
-            if pair not in _FASTEST:
-                _FASTEST[pair] = _faster(head, [_made(head, k) for k in built[:2]])
-            kind = _FASTEST[pair]
+            choice = (key, *built)  # the screens' time depends on the head's shape and this machine only
+            if choice not in _FASTEST:
+                _FASTEST[choice] = _fastest(head, [_made(head, k) for k in built])
+            kind = _FASTEST[choice]
     screen = _made(head, kind)
     head.__dict__["_screen"] = screen
     if measure:
@@ -287,8 +288,8 @@ def _measure(head: nn.Module, screen: ScreenedHead, repeats: int = 9) -> tuple[b
     return tuple(times[(n, "screen")] < times[(n, "whole")] for n in ROWS)
 
 
-def _faster(head: nn.Module, screens: list[ScreenedHead], repeats: int = 9) -> str:
-    """The kind of the faster of `screens` over the rows a step verifies (1, 4 and 8: their times summed;
+def _fastest(head: nn.Module, screens: list[ScreenedHead], repeats: int = 9) -> str:
+    """The kind of the fastest of `screens` over the rows a step verifies (1, 4 and 8: their times summed;
     interleaved medians on random rows)."""
     g = torch.Generator().manual_seed(0)
     xs = {n: torch.randn(n, head.weight.shape[1], generator=g) for n in (1, 4, 8)}

@@ -216,13 +216,13 @@ def test_every_screened_logit_is_within_its_bound_of_the_served_one(kind):
 
 
 @needs_kernel
-def test_the_screen_measured_is_the_faster_of_the_two_first_built_and_kept_when_its_weight_changes(monkeypatch):
-    """`build` with measuring takes one of the two fastest-expected screens this CPU builds (by their measured time),
-    a rebuilt screen (its weight changed in place) keeps that kind, and a kind not built here is refused."""
+def test_the_screen_measured_is_one_built_here_and_kept_when_its_weight_changes(monkeypatch):
+    """`build` with measuring takes one of the screens this CPU builds (the fastest measured), a rebuilt screen (its
+    weight changed in place) keeps that kind, and a kind not built here is refused."""
     head = served_head(torch.randn(700, 64, generator=torch.Generator().manual_seed(9)))
     screen = screened_head.build(head)
     built = screened_head.kinds_built()
-    assert screen.kind in built[:2] and len(screen.rows) == len(screened_head.ROWS)
+    assert screen.kind in built and len(screen.rows) == len(screened_head.ROWS)
     with torch.no_grad():
         head.weight.mul_(0.5)
     assert screened_head.screen_of(head).kind == screen.kind
