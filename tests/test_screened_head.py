@@ -145,16 +145,18 @@ def test_per_id_bounds_keep_the_argmax_where_row_norms_differ_widely(layout, val
 
 
 @needs_kernel
-def test_the_per_id_bound_keeps_fewer_candidates_than_the_largest_norms_bound():
+@pytest.mark.parametrize("kind", ["int8", "bf16_dot"])  # screens that round the input (the widened one does not)
+def test_the_per_id_bound_keeps_fewer_candidates_than_the_largest_norms_bound(kind):
     """The candidates the kernel computes (its count: the rows' lower bounds and the logits past them) against the
     bound a_v ≥ max a − 2·max e (the thirty-third session's), counted here in float64: on rows aimed at a cluster
     of 300 ids whose logits lie within ~0.5 of each other, beside a few rows ten times the others' norm (the largest
     norm sets the old bound), the old bound keeps the whole cluster, the per-id one a tenth of it at most."""
+    built(kind)
     g = torch.Generator().manual_seed(7)
     w = torch.randn(4000, 256, generator=g) * 0.05
     w[:300] = w[0] + 0.003 * torch.randn(300, 256, generator=g)
     w[3990:] *= 10
-    head = served_head(w)
+    head = served_head(w, kind)
     screen = screened_head.screen_of(head)
     x = w[0] * 40 + 0.1 * torch.randn(8, 256, generator=g)
     scores = screened_head.screen_scores(screen, x)[:, :4000].double()
