@@ -49,10 +49,7 @@ def candidates(screen: screened_head.ScreenedHead, head: torch.nn.Module, x: tor
     """How many ids a row's bound leaves (a_v + e_v ≥ the served logit at its screened argmax), in float64."""
     scores = screened_head.screen_scores(screen, x)[:, : screen.shape[0]].double()
     served = head(x).double()
-    xd, xl = x.double(), screened_head.read_rows(screen, x)
-    _, _, gamma, c3 = (float(v) for v in screen.constants)
-    s_v, n_v = screen.bounds.double()
-    e = xl.norm(dim=1)[:, None] * s_v + (gamma * xd.norm(dim=1) + (xl - xd).norm(dim=1))[:, None] * n_v + c3
+    e = screened_head.error_bounds(screen, x)
     lower = served.gather(1, scores.argmax(dim=1, keepdim=True))
     return (scores + e >= lower).sum(dim=1).float()
 

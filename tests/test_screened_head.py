@@ -199,10 +199,7 @@ def test_every_screened_logit_is_within_its_bound_of_the_served_one(kind):
     x[4:8, :3] = 2000.0
     served = head(x).double()
     scores = screened_head.screen_scores(screen, x)[:, :3000].double()
-    xl, xd = screened_head.read_rows(screen, x), x.double()
-    c0, c1, gamma, c3 = (float(v) for v in screen.constants)
-    s_v, n_v = screen.bounds.double()
-    e = xl.norm(dim=1)[:, None] * s_v + (gamma * xd.norm(dim=1) + (xl - xd).norm(dim=1))[:, None] * n_v + c3
+    e = screened_head.error_bounds(screen, x)
     assert bool(((scores - served).abs() <= e).all())
     assert screened_head.screened_argmax(head, screen, x) == head(x).argmax(-1).tolist()
     if kind == "int8":
