@@ -148,6 +148,10 @@ def _library() -> ctypes.CDLL | None:
             # x, M, K, int8 panels, scales, sums, y, ldy, N, scratch
             lib.screen_q8.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr]
             lib.screen_q8.restype = None
+        if hasattr(lib, "screen_q8_amx_built"):  # the same on AMX tiles (an older revision's library has none)
+            lib.screen_q8_amx_built.restype = ctypes.c_int
+            lib.screen_q8_amx.argtypes = lib.screen_q8.argtypes
+            lib.screen_q8_amx.restype = None
         lib.head_scratch_floats.argtypes = [i64] * 4
         lib.head_scratch_floats.restype = i64
     except (OSError, AttributeError):  # not loadable here, or not the library this source builds
@@ -235,18 +239,25 @@ def screen_q8() -> bool:
     return has("screen_q8_built") and bool(_library().screen_q8_built())
 
 
+def screen_q8_amx() -> bool:
+    """Whether the int8 screen runs on AMX tiles here (built for them, and Linux lent this process their state):
+    `screen_q8_scores(..., tiles=True)`, the same bits."""
+    return has("screen_q8_amx_built") and bool(_library().screen_q8_amx_built())
+
+
 def screen_q8_scores(
-    x: torch.Tensor, n: int, panels: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor
+    x: torch.Tensor, n: int, panels: torch.Tensor, scales: torch.Tensor, sums: torch.Tensor, tiles: bool = False
 ) -> torch.Tensor:
     """The int8 screen's logits (M, n) of float32 rows x (M, K) against a head's int8 panels, per-row scales and sums
-    (`fused_head.quantize_panels`), each row read in two bytes a value (csrc/screen_q8.c). Call only where
-    `screen_q8()`."""
+    (`fused_head.quantize_panels`), each row read in two bytes a value (csrc/screen_q8.c), on AMX tiles if `tiles`
+    (the same bits). Call only where `screen_q8()` (and `screen_q8_amx()` for tiles)."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
     m, k = rows.shape
     out = torch.empty(m, n, dtype=torch.float32)
     scratch = torch.empty(2 * m * ((k + 3) // 4) + m, dtype=torch.int32)
     weights = [t.data_ptr() for t in (panels, scales, sums)]
-    _library().screen_q8(rows.data_ptr(), m, k, *weights, out.data_ptr(), n, n, scratch.data_ptr())
+    fn = _library().screen_q8_amx if tiles else _library().screen_q8
+    fn(rows.data_ptr(), m, k, *weights, out.data_ptr(), n, n, scratch.data_ptr())
     return out
 
 

@@ -7,7 +7,9 @@ costs ~18% of the step's multiply-adds. The screen computes every logit from a l
 bound on how far each screened logit can be from the served one. Every id whose served logit could be the largest
 is a candidate; the served head (the same kernel, the same bits: `kernels.linear_at`) computes those alone, and the
 largest of them, lowest id first on a tie as `torch.argmax`, is the token. The output is the served head's argmax
-exactly, whatever the screen rounds: what it changes is the time. Three screens (KINDS):
+exactly, whatever the screen rounds: what it changes is the time. Four screens (KINDS):
+- `int8_amx` (AMX-INT8 tiles, Sapphire Rapids and later Xeons): `int8` below on tiles, the same bits; ~16× cheaper
+  products, so it streams its bytes at 1–16 rows where `int8` is compute-bound from ~4 (forty-fourth session);
 - `int8` (AVX512-VNNI, csrc/screen_q8.c): each weight row in int8 with its own scale (a quarter of the bytes), each
   input row in two int8 bytes a value (x ≈ s·(h + l/254), so the input's rounding stays near float32's and the
   bound near the bfloat16 screen's: on the testbed's final states ~2 candidates a row, against ~27 with one byte),
@@ -62,8 +64,10 @@ _MEASURED: dict[tuple, tuple[bool, ...]] = {}  # `_measure`'s verdicts by ((V, K
 _FASTEST: dict[tuple, str] = {}  # `_fastest`'s choice by ((V, K, panels, layout), the kinds built), per process
 
 
-KINDS = ("int8", "bf16_dot", "bf16")  # what the screen reads (module docstring); `build` takes the fastest built here
-MODES = {"bf16": 0, "bf16_dot": 1, "int8": 2}  # how the kernels' screen_argmax rounds a row (x as read, bf16, 2 bytes)
+KINDS = ("int8_amx", "int8", "bf16_dot", "bf16")  # what the screen reads (module docstring); `build` takes the fastest
+# how the kernels' screen_argmax rounds a row (x as read, bf16, 2 bytes)
+MODES = {"bf16": 0, "bf16_dot": 1, "int8": 2, "int8_amx": 2}
+INT8 = ("int8_amx", "int8")  # the screens that read the head's int8 panels (the same weights, the same bits)
 
 
 @dataclass
@@ -72,7 +76,7 @@ class ScreenedHead:
 
     kind: str  # one of KINDS
     # what the screen reads: (bfloat16 panels,) for bf16_dot; (bfloat16 rows or panels,) for bf16, with `shape` the
-    # weight's; (int8 panels, per-row scales, per-row sums) for int8 (csrc/linear_q8.c's layout)
+    # weight's; (int8 panels, per-row scales, per-row sums) for int8 and int8_amx (csrc/linear_q8.c's layout)
     weights: tuple[torch.Tensor, ...]
     shape: tuple[int, int]
     # float64 (max over ids of ‖ŵ_v − w_v‖ + γ‖ŵ_v‖, max over ids of ‖w_v‖, γ, what flushed subnormals can add):
@@ -110,7 +114,13 @@ def applies(head: nn.Module) -> bool:
 
 def kinds_built() -> list[str]:
     """The screens this machine's kernels can run, fastest expected first (`build` measures them)."""
-    return [k for k, ok in (("int8", kernels.screen_q8()), ("bf16_dot", kernels.screen_dot()), ("bf16", True)) if ok]
+    built = {
+        "int8_amx": kernels.screen_q8() and kernels.screen_q8_amx(),
+        "int8": kernels.screen_q8(),
+        "bf16_dot": kernels.screen_dot(),
+        "bf16": True,
+    }
+    return [k for k in KINDS if built[k]]
 
 
 def build(head: nn.Module, measure: bool = True, kind: str = "auto") -> ScreenedHead | None:
@@ -151,7 +161,7 @@ def _made(head: nn.Module, kind: str) -> ScreenedHead:
     w = head.weight.detach()
     n, k = w.shape
     gamma = (2 * k + 2) * _U / (1 - (2 * k + 2) * _U)
-    if kind == "int8":  # ŵ_v = its scale × its int8 row, what the kernel multiplies (exactly, in float64)
+    if kind in INT8:  # ŵ_v = its scale × its int8 row, what the kernel multiplies (exactly, in float64)
         panels, scales, sums = fused_head.quantize_panels(w, kernels.lanes())
         q = panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * panels.shape[2], -1)[:n, :k]
         q_scales = scales[:n]
@@ -165,7 +175,7 @@ def _made(head: nn.Module, kind: str) -> ScreenedHead:
     per_id = torch.empty(2, n, dtype=torch.float64)
     for start in range(0, n, 4096):  # float64 a chunk at a time: the whole head's would be 226 MB
         wd = w[start : start + 4096].double()
-        if kind == "int8":
+        if kind in INT8:
             ld = q[start : start + 4096].double() * q_scales[start : start + 4096].double()[:, None]
         else:
             ld = low[start : start + 4096].double()
@@ -230,8 +240,8 @@ def logits_at(head: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> torch.Tens
 
 def screen_scores(screen: ScreenedHead, rows: torch.Tensor) -> torch.Tensor:
     """Every screened logit of float32 `rows` (M, K): (M, ≥ V), past V the panels' zero padding."""
-    if screen.kind == "int8":
-        return kernels.screen_q8_scores(rows, screen.shape[0], *screen.weights)
+    if screen.kind in INT8:
+        return kernels.screen_q8_scores(rows, screen.shape[0], *screen.weights, tiles=screen.kind == "int8_amx")
     low = screen.weights[0]
     if screen.kind == "bf16_dot":  # every panel's outputs, the padding's zeros past V included
         return kernels.linear_dot(rows, low.shape[0] * low.shape[2], low)

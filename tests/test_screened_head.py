@@ -1,5 +1,5 @@
-"""The LM head's screens (screened_head.py: int8, bfloat16 on the dot product, bfloat16 widened): greedy tokens are
-the served head's argmax exactly."""
+"""The LM head's screens (screened_head.py: int8 on AMX tiles or on the dot product of byte quads, bfloat16 on the
+dot product, bfloat16 widened): greedy tokens are the served head's argmax exactly."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_linear_at_computes_the_served_heads_bits_for_the_outputs_it_is_asked(la
 @needs_kernel
 @pytest.mark.parametrize("layout", kernels.LAYOUTS)
 @pytest.mark.parametrize("kind", screened_head.KINDS)
-@pytest.mark.parametrize("k", [96, 95])
+@pytest.mark.parametrize("k", [128, 95])  # 128: whole 64-byte steps of AMX tiles
 @pytest.mark.parametrize("values", ["float32", "bfloat16"])
 def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout, kind, k, values, monkeypatch):
     """Random heads and rows (1–40 of them, scaled from tiny to large logits), rows whose best ids are near-ties,
@@ -68,7 +68,7 @@ def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout
     assert read.dtype == (torch.bfloat16 if values == "bfloat16" else torch.float32)
     screen = screened_head.screen_of(head)
     assert screen.kind == kind
-    if kind != "int8":  # the bfloat16 weight as rows or as panels (the dot product reads panels)
+    if kind not in screened_head.INT8:  # the bfloat16 weight as rows or as panels (the dot product reads panels)
         assert (screen.weights[0].dim() != 2) == (kind == "bf16_dot" or layout == "panels")
     checked = 0
     for scale in (1e-3, 1.0, 30.0, 1e3):
@@ -145,7 +145,7 @@ def test_per_id_bounds_keep_the_argmax_where_row_norms_differ_widely(layout, val
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["int8", "bf16_dot"])  # screens that round the input (the widened one does not)
+@pytest.mark.parametrize("kind", ["int8_amx", "int8", "bf16_dot"])  # screens that round the input (the widened one does not)
 def test_the_per_id_bound_keeps_fewer_candidates_than_the_largest_norms_bound(kind):
     """The candidates the kernel computes (its count: the rows' lower bounds and the logits past them) against the
     bound a_v ≥ max a − 2·max e (the thirty-third session's), counted here in float64: on rows aimed at a cluster
@@ -186,15 +186,15 @@ def test_every_screened_logit_is_within_its_bound_of_the_served_one(kind):
     input's rounding near float32's."""
     built(kind)
     g = torch.Generator().manual_seed(8)
-    w = torch.randn(3000, 200, generator=g) * 0.05
+    w = torch.randn(3000, 256, generator=g) * 0.05
     w[:10] *= 30
     head = served_head(w, kind)
     screen = screened_head.screen_of(head)
-    x = torch.randn(12, 200, generator=g)
+    x = torch.randn(12, 256, generator=g)
     x[0, 7] = 300.0
-    x[1] = torch.randn(200, generator=g) * torch.logspace(-10, 10, 200)
+    x[1] = torch.randn(256, generator=g) * torch.logspace(-10, 10, 256)
     x[2] = 1.5
-    x[3] = torch.randn(200, generator=g) * 1e-30
+    x[3] = torch.randn(256, generator=g) * 1e-30
     x[4:8] *= 40
     x[4:8, :3] = 2000.0
     served = head(x).double()
@@ -202,8 +202,8 @@ def test_every_screened_logit_is_within_its_bound_of_the_served_one(kind):
     e = screened_head.error_bounds(screen, x)
     assert bool(((scores - served).abs() <= e).all())
     assert screened_head.screened_argmax(head, screen, x) == head(x).argmax(-1).tolist()
-    if kind == "int8":
-        rows = w[100:108] * 30 + torch.randn(8, 200, generator=g)
+    if kind in screened_head.INT8:
+        rows = w[100:108] * 30 + torch.randn(8, 256, generator=g)
         rows[:, :2] = 60.0  # a few outlier features, as a language model's final states have
         scores = screened_head.screen_scores(screen, rows)
         fewest = next(
@@ -212,6 +212,26 @@ def test_every_screened_logit_is_within_its_bound_of_the_served_one(kind):
             if kernels.screen_argmax(scores, rows, w, None, screen.mode, screen.constants, screen.bounds, most)
         )
         assert fewest <= 32, fewest  # 8 rows: their lower bounds and ~3 candidates each at most
+
+
+@needs_kernel
+@pytest.mark.skipif(not kernels.screen_q8_amx(), reason="no AMX tiles here (or Linux did not lend them)")
+def test_the_int8_screen_on_amx_tiles_has_the_dot_products_bits():
+    """AMX's tiles make the same exact integer sums as the dot product of byte quads, and the same float32 operations
+    follow: every screened logit has the same bits, at every row count (8 input rows a tile, 16 a pass over the head,
+    more in passes), panel counts not a multiple of the tiles' four or two (the rest on the dot product), and a K
+    that is not a multiple of 64 (all of it on the dot product)."""
+    from mirror_train import fused_head
+
+    g = torch.Generator().manual_seed(12)
+    for n, k in ((1000, 128), (4100, 64), (999, 192), (48, 64), (64, 100), (3000, 576)):
+        panels, scales, sums = fused_head.quantize_panels(torch.randn(n, k, generator=g) * 0.05, kernels.lanes())
+        for rows in (1, 2, 3, 5, 8, 9, 12, 16, 17, 33):
+            x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+            x[0, :2] = 500.0  # outlier features
+            dot = kernels.screen_q8_scores(x, n, panels, scales, sums)
+            tiles = kernels.screen_q8_scores(x, n, panels, scales, sums, tiles=True)
+            assert torch.equal(dot, tiles), (n, k, rows)
 
 
 @needs_kernel

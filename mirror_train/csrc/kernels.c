@@ -11,6 +11,6 @@ int kernel_lanes(void) { return LANES; }
 #include "attention.c"     /* causal attention over a KV cache, row by row */
 #include "decoder_layer.c" /* a whole decoder layer, and consecutive layers, in one call */
 #include "linear_q8.c"     /* int8 weights on AVX512-VNNI's dot product of byte quads: a proxy head's copy */
-#include "screen_q8.c"     /* the LM head's screen in int8, each input row in two bytes a value */
+#include "screen_q8.c"     /* the LM head's screen in int8, each input row in two bytes a value; on AMX tiles */
 #include "screen_argmax.c" /* greedy tokens through the LM head's screen (screened_head.py) */
 #include "proxy_head.c"    /* a per-position proxy head's candidates in one call */
