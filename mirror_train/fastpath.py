@@ -143,6 +143,8 @@ def install(model: nn.Module, kind: str = "auto") -> str:
         if kind in ("exact", "fastest"):  # timed now, not inside the first request
             prefill_path(tuple(module.weight.shape), module.bias is not None, module.weight.dtype)
     panels = kind in ("exact", "fastest") and kernels.available() and kernels.layout() == "panels"
+    if kind in ("exact", "fastest") and kernels.available():
+        kernels.tune_prefetch()  # which panel tiles prefetch ahead: measured once per machine, set once per process
     if kind == "exact":
         for module in linears:
             module.__class__ = ExactLinear

@@ -152,6 +152,9 @@ def _library() -> ctypes.CDLL | None:
             lib.screen_q8_amx_built.restype = ctypes.c_int
             lib.screen_q8_amx.argtypes = lib.screen_q8.argtypes
             lib.screen_q8_amx.restype = None
+        if hasattr(lib, "panel_prefetch"):  # an older revision's library has none
+            lib.panel_prefetch.argtypes = [ctypes.c_int, i64]
+            lib.panel_prefetch.restype = i64
         lib.head_scratch_floats.argtypes = [i64] * 4
         lib.head_scratch_floats.restype = i64
     except (OSError, AttributeError):  # not loadable here, or not the library this source builds
@@ -472,20 +475,57 @@ def _machine_times() -> dict[str, float]:
     """`layout_times`, measured once per machine and kept beside the library: every process here (a Spec-Bench run
     resumed later, the engine's draft process) then serves the same function, which a measurement's noise could
     otherwise flip."""
-    path = _cache_dir() / f"layout_{_build_key()}.json"
+    return _per_machine("layout", layout_times, set(MEASURED))
+
+
+def _per_machine(name: str, measure, keys: set[str]) -> dict:
+    """`measure()` (a dict with these keys), measured once per machine and kept beside the library as JSON."""
+    path = _cache_dir() / f"{name}_{_build_key()}.json"
     try:
-        times = json.loads(path.read_text())
-        if set(times) != set(MEASURED):
+        values = json.loads(path.read_text())
+        if set(values) != keys:
             raise ValueError(path)
     except (OSError, ValueError):
-        times = layout_times()
+        values = measure()
         try:
             with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-                json.dump(times, tmp)
+                json.dump(values, tmp)
             Path(tmp.name).replace(path)  # atomic: a concurrent measurement's file or this one, whole
         except OSError:
             pass
-    return times
+    return values
+
+
+PREFETCH_TYPES = {"float32": 0, "bfloat16": 1}  # the panels' weight types, as csrc/linear_panels.c numbers them
+
+
+def panel_prefetch(dtype: str, mask: int | None = None) -> int:
+    """Which tile heights of `dtype` panels prefetch ahead (bit R: R-row tiles, R = 1..8), after setting it to `mask`
+    if given (csrc/linear_panels.c; the arithmetic is the same either way)."""
+    return int(_library().panel_prefetch(PREFETCH_TYPES[dtype], -1 if mask is None else mask))
+
+
+@functools.cache
+def tune_prefetch() -> dict[str, int]:
+    """Set which tile heights prefetch, per panel type, from $MIRROR_TRAIN_PANEL_PREFETCH: auto (the default)
+    measures each height with and without once per machine (`prefetch_times`, kept beside the library) and keeps the
+    faster; "default" keeps the C source's (from 2 rows); a number (0x1fc) is the mask for both types. Why measure:
+    the prefetch a Zen 4 gained from at 2-8 rows cost the AMX Xeon's 2- and 3-row steps ~1 ms each (docs/engine.md,
+    forty-fourth session). The masks set; {} where the kernels (or this function in them) are not built."""
+    name = os.environ.get("MIRROR_TRAIN_PANEL_PREFETCH", "auto")
+    if not available() or not has("panel_prefetch"):
+        return {}
+    if name == "default":
+        return {t: panel_prefetch(t) for t in PREFETCH_TYPES}
+    if name == "auto":
+        masks = _per_machine("prefetch", prefetch_times, set(PREFETCH_TYPES))
+    else:
+        try:
+            mask = int(name, 0)
+        except ValueError:
+            raise ValueError(f"MIRROR_TRAIN_PANEL_PREFETCH must be auto, default or a mask (0x1fc), got {name!r}")
+        masks = dict.fromkeys(PREFETCH_TYPES, mask)
+    return {t: panel_prefetch(t, int(m)) for t, m in masks.items()}
 
 
 @functools.cache
@@ -525,6 +565,59 @@ def layout_times(rounds: int = 3) -> dict[str, float]:
     finally:
         torch.set_num_threads(threads)
     return {name: sum(statistics.median(times[(name, r)][1:]) for r in (1, 8)) for name in MEASURED}
+
+
+# What `prefetch_times` streams: a decoder layer's linears (the testbed's shapes), PREFETCH_LAYERS of them (~230 MB
+# in float32: a microbenchmark of one shape over 48 MB, partly in a large L3, chose the other way round at 2-3 rows
+# from the target's own stack on the AMX Xeon, and this one agreed with the stack; forty-fourth session)
+PREFETCH_SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
+PREFETCH_LAYERS = 16
+# heights measured: one row never prefetches (it streams eight panels at once; slower with it wherever measured),
+# seven and eight always (compute-bound: the prefetch gained or tied on Zen 4 and the AMX Xeon)
+PREFETCH_ROWS = range(2, 7)
+PREFETCH_ALWAYS = (1 << 7) | (1 << 8)
+
+
+def prefetch_times(rounds: int = 5, layers: int = PREFETCH_LAYERS) -> dict[str, int]:
+    """Per panel type, the mask of tile heights whose calls over `layers` decoder layers' linears took less time
+    prefetching than not (PREFETCH_ROWS measured: medians of alternating rounds, one thread; PREFETCH_ALWAYS set).
+    The mask in force before is restored."""
+    import statistics
+    import time
+
+    gen = torch.Generator().manual_seed(1)
+    read: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {t: [] for t in PREFETCH_TYPES}
+    for _ in range(layers):
+        for shape in PREFETCH_SHAPES:
+            w = torch.rand(shape, generator=gen) - 0.5
+            meta = torch.empty(shape, device="meta")  # `linear` reads the panels; the weight gives the shape
+            read["float32"].append((meta, to_panels(w)))
+            read["bfloat16"].append((meta, to_panels(w.bfloat16())))
+    for t in PREFETCH_TYPES:  # on huge pages, as served weights are (alignment.py)
+        read[t] = list(zip([m for m, _ in read[t]], alignment.pack([p for _, p in read[t]]), strict=True))
+    x = torch.rand(max(PREFETCH_ROWS), max(k for _, k in PREFETCH_SHAPES), generator=gen)
+    before = {t: panel_prefetch(t) for t in PREFETCH_TYPES}
+    times: dict[tuple[str, int, int], list[float]] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for _ in range(rounds + 1):  # the first round warms
+                for t in PREFETCH_TYPES:
+                    for r in PREFETCH_ROWS:
+                        for on in (0, 1):
+                            panel_prefetch(t, (1 << r) if on else 0)
+                            start = time.perf_counter()
+                            for meta, p in read[t]:
+                                linear(x[:r, : meta.shape[1]].contiguous(), meta, panels=p)
+                            times.setdefault((t, r, on), []).append((time.perf_counter() - start) * 1e3)
+    finally:
+        torch.set_num_threads(threads)
+        for t, mask in before.items():
+            panel_prefetch(t, mask)
+    med = {key: statistics.median(v[1:]) for key, v in times.items()}
+    measured = {t: sum(1 << r for r in PREFETCH_ROWS if med[(t, r, 1)] < med[(t, r, 0)]) for t in PREFETCH_TYPES}
+    return {t: mask | PREFETCH_ALWAYS for t, mask in measured.items()}
 
 
 def _run_pointers(runs: torch.Tensor) -> tuple[int, int, int]:

@@ -128,6 +128,51 @@ def test_panels_interleave_lanes_of_weight_rows_and_the_layout_is_measured_once_
 
 
 @needs_kernel
+def test_which_panel_tiles_prefetch_is_measured_per_machine_and_never_changes_the_bits(monkeypatch, tmp_path):
+    """Prefetching ahead or not (csrc/linear_panels.c's two tiles of each height) gives every output the same bits
+    at every row count, float32 and bfloat16 panels; the masks are measured once per machine (kept beside the
+    library: another process's file is read, not measured again), or set from $MIRROR_TRAIN_PANEL_PREFETCH, whose
+    bad value is a clear error."""
+    g = torch.Generator().manual_seed(4)
+    before = {t: kernels.panel_prefetch(t) for t in kernels.PREFETCH_TYPES}
+    try:
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            w = torch.randn(100, 70, generator=g).to(dtype)
+            panels, x = kernels.to_panels(w), torch.randn(8, 70, generator=g)
+            outs = []
+            for mask in (0, 0x1FE):
+                assert kernels.panel_prefetch(name, mask) == mask
+                outs.append([kernels.linear(x[:r], w, panels=panels) for r in range(1, 9)])
+            assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+        current = {t: kernels.panel_prefetch(t) for t in kernels.PREFETCH_TYPES}
+        measured = kernels.prefetch_times(rounds=1, layers=2)
+        assert set(measured) == set(kernels.PREFETCH_TYPES)
+        assert all(0 <= m < 512 and not m & 1 and m & kernels.PREFETCH_ALWAYS for m in measured.values())
+        assert {t: kernels.panel_prefetch(t) for t in kernels.PREFETCH_TYPES} == current  # restored after measuring
+        monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))  # the loaded library stays; the masks kept here
+        monkeypatch.setenv("MIRROR_TRAIN_PANEL_PREFETCH", "auto")
+        monkeypatch.setattr(kernels, "prefetch_times", lambda: {"float32": 0x10, "bfloat16": 0x6})
+        kernels.tune_prefetch.cache_clear()
+        assert kernels.tune_prefetch() == {"float32": 0x10, "bfloat16": 0x6}
+        assert kernels.panel_prefetch("float32") == 0x10
+        (kept,) = tmp_path.glob("prefetch_*.json")
+        kept.write_text('{"float32": 4, "bfloat16": 8}')  # another process's measurement
+        kernels.tune_prefetch.cache_clear()
+        assert kernels.tune_prefetch() == {"float32": 4, "bfloat16": 8}
+        monkeypatch.setenv("MIRROR_TRAIN_PANEL_PREFETCH", "0x1fc")
+        kernels.tune_prefetch.cache_clear()
+        assert kernels.tune_prefetch() == {"float32": 0x1FC, "bfloat16": 0x1FC}
+        monkeypatch.setenv("MIRROR_TRAIN_PANEL_PREFETCH", "sometimes")
+        kernels.tune_prefetch.cache_clear()
+        with pytest.raises(ValueError, match="auto, default or a mask"):
+            kernels.tune_prefetch()
+    finally:
+        kernels.tune_prefetch.cache_clear()
+        for t, mask in before.items():
+            kernels.panel_prefetch(t, mask)
+
+
+@needs_kernel
 @pytest.mark.parametrize("layout", kernels.LAYOUTS)
 def test_an_exact_model_serves_the_layout_chosen_and_panels_follow_their_weight(layout, monkeypatch):
     """Served in panels, every linear and every fused layer reads a panel copy, made again when its weight is

@@ -34,14 +34,14 @@
 #define VBCAST(p) (*(p))
 #endif
 #define PANEL_CHUNK 24 /* panels a pass over the rows: divisible by every PC, so each row group covers it whole */
-/* Tiles of PANEL_PF_FROM rows and more prefetch each panel PANEL_PF bytes ahead into L2 (PANEL_PF_HINT); left to
-   the hardware prefetcher they waited on memory. The distance reaches a few panels ahead (a panel is 9-18 KB at
-   K = 576), into the tiles that come next: on Zen 3 64 KB against the 4 KB first tried took float32's 3-6 rows 0.82-
-   0.88x the time and bfloat16's 2-5 rows 0.74-0.79x, 8 rows ~0.97x (docs/engine.md, twenty-eighth session). One
-   row, which streams eight panels at once, ran slower with it. Into L2 (prefetcht1) rather than non-temporal
-   (prefetchnta, as first written): on Zen 4 float32 panels' 2, 4 and 8 rows took 0.82-0.86x the time, bfloat16's
-   2 and 4 rows 0.72-0.86x (8 rows, compute-bound, the same), the LM head's 8-row screen 0.6-0.7x (docs/engine.md,
-   thirty-fifth session; Zen 3 unmeasured). No change to the arithmetic. */
+/* Tiles of PANEL_PF_FROM rows and more (by default: panel_prefetch below) prefetch each panel PANEL_PF bytes ahead
+   into L2 (PANEL_PF_HINT); left to the hardware prefetcher they waited on memory. The distance reaches a few panels
+   ahead (a panel is 9-18 KB at K = 576), into the tiles that come next: on Zen 3 64 KB against the 4 KB first tried
+   took float32's 3-6 rows 0.82-0.88x the time and bfloat16's 2-5 rows 0.74-0.79x, 8 rows ~0.97x (docs/engine.md,
+   twenty-eighth session). One row, which streams eight panels at once, ran slower with it. Into L2 (prefetcht1)
+   rather than non-temporal (prefetchnta, as first written): on Zen 4 float32 panels' 2, 4 and 8 rows took 0.82-0.86x
+   the time, bfloat16's 2 and 4 rows 0.72-0.86x (8 rows, compute-bound, the same), the LM head's 8-row screen 0.6-0.7x
+   (docs/engine.md, thirty-fifth session; Zen 3 unmeasured). No change to the arithmetic. */
 #ifndef PANEL_PF_HINT
 #define PANEL_PF_HINT 2
 #endif
@@ -51,6 +51,20 @@
 #ifndef PANEL_PF_FROM
 #define PANEL_PF_FROM 2
 #endif
+/* Which tile heights prefetch, per weight type (bit R: R-row tiles; 0 float32 panels, 1 bfloat16): from
+   PANEL_PF_FROM rows unless kernels.py sets a mask it measured on this machine (panel_prefetch). On the AMX Xeon
+   the float32 stack's 2- and 3-row steps ran ~1 ms faster without it and 4-8 rows slower (docs/engine.md,
+   forty-fourth session), where Zen 3 and 4 had gained from 2 rows on. */
+static int64_t panel_pf_mask[2] = {0x1FF & ~((1 << PANEL_PF_FROM) - 1), 0x1FF & ~((1 << PANEL_PF_FROM) - 1)};
+#define PANEL_PF_ON(T, r) ((int)((panel_pf_mask[PANEL_TYPE_##T] >> (r)) & 1))
+#define PANEL_TYPE_F32 0
+#define PANEL_TYPE_BF16 1
+/* the mask of weight type t (0 float32, 1 bfloat16); a mask >= 0 replaces it first */
+int64_t panel_prefetch(int t, int64_t mask) {
+    if (t < 0 || t > 1) return -1;
+    if (mask >= 0) panel_pf_mask[t] = mask & 0x1FF;
+    return panel_pf_mask[t];
+}
 /* bfloat16 panels hold k-pairs: lane l's 32-bit word of pair j is (w[2j] low, w[2j+1] high) (`kernels.to_panels`;
    an odd K's last high half is 0 and never read). One vector load then widens to two weight vectors with one
    shift and one and (w[2j+1] is already its float32 bits once the low half is masked), where loading 8 bf16
@@ -121,7 +135,7 @@
 #endif
 #endif
 /* The bf16 tile: per panel one pair load, its two k's applied to every row in order */
-#define PTILE_BF16(NAME, R, C)                                                                                     \
+#define PTILE_BF16(NAME, R, C, PF)                                                                                   \
 static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, const float *b, float *y, int64_t ldy) { \
     PTILE_OPEN(R, C)                                                                                               \
     const int64_t cs = BF16_PSTRIDE(K);                                                                            \
@@ -130,7 +144,7 @@ static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, cons
         vec lo[C], hi[C];                                                                                          \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             BF16_PAIR(p + c * cs, lo[c], hi[c]);                                                                   \
-            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);   \
+            if (PF) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);         \
         }                                                                                                          \
         PTILE_FMA(R, C, lo, k);                                                                                    \
         PTILE_FMA(R, C, hi, k + 1);                                                                                \
@@ -144,7 +158,7 @@ static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, cons
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             vec lo, hi;                                                                                            \
             BF16_PAIR(p + c * cs, lo, hi);                                                                         \
-            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);   \
+            if (PF) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);         \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][c] = VFMA(lo, x0[r], acc[r][c]);            \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][c] = VFMA(hi, x1[r], acc[r][c]);            \
         }                                                                                                          \
@@ -164,7 +178,7 @@ static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, cons
 #define F32_PSTRIDE(K) ((K) * LANES)
 #define BF16_PSTRIDE(K) (((K) + 1) / 2 * 2 * LANES)
 /* The float32 tile, NAME its function, R x C (C given as a number: the PC macros expand before they reach here) */
-#define PTILE_F32(NAME, R, C)                                                                                      \
+#define PTILE_F32(NAME, R, C, PF)                                                                                    \
 static void NAME(const float *x, int64_t ldx, const float *p, int64_t K, const float *b, float *y, int64_t ldy) {  \
     PTILE_OPEN(R, C)                                                                                               \
     const int64_t cs = F32_PSTRIDE(K);                                                                             \
@@ -172,30 +186,34 @@ static void NAME(const float *x, int64_t ldx, const float *p, int64_t K, const f
         vec w[C];                                                                                                  \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             w[c] = F32_LOAD(p + c * cs);                                                                           \
-            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);   \
+            if (PF) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);         \
         }                                                                                                          \
         PTILE_FMA(R, C, w, k);                                                                                     \
     }                                                                                                              \
     PTILE_CLOSE(R, C)                                                                                              \
 }
-/* R rows over `panels` panels: tiles of C, then one panel at a time */
-#define PTILES(T, WT, R, C) PTILES_(T, WT, R, C)
-#define PTILES_(T, WT, R, C)                                                                                       \
-PTILE_##T(T##_ptile_##R##_##C, R, C) PTILE_##T(T##_ptile_##R##_one, R, 1)                                       \
-static void T##_ptile_##R(const float *x, int64_t ldx, const WT *p, int64_t K, const float *b, float *y,            \
-                          int64_t ldy, int64_t panels) {                                                           \
+/* R rows over `panels` panels: tiles of C, then one panel at a time; _pf the tiles that prefetch, _np those that
+   do not (panel_prefetch picks per R) */
+#define PTILES(T, WT, R, C) PTILES_(T, WT, R, C, pf, 1) PTILES_(T, WT, R, C, np, 0)
+#define PTILES_(T, WT, R, C, V, PF)                                                                                \
+PTILE_##T(T##_ptile_##R##_##C##_##V, R, C, PF) PTILE_##T(T##_ptile_##R##_one_##V, R, 1, PF)                      \
+static void T##_ptile_##R##_##V(const float *x, int64_t ldx, const WT *p, int64_t K, const float *b, float *y,      \
+                                int64_t ldy, int64_t panels) {                                                     \
     int64_t c = 0;                                                                                                 \
     for (; c + C <= panels; c += C)                                                                                \
-        T##_ptile_##R##_##C(x, ldx, p + c * T##_PSTRIDE(K), K, b ? b + c * LANES : 0, y + c * LANES, ldy);         \
+        T##_ptile_##R##_##C##_##V(x, ldx, p + c * T##_PSTRIDE(K), K, b ? b + c * LANES : 0, y + c * LANES, ldy);   \
     for (; c < panels; c++)                                                                                        \
-        T##_ptile_##R##_one(x, ldx, p + c * T##_PSTRIDE(K), K, b ? b + c * LANES : 0, y + c * LANES, ldy);         \
+        T##_ptile_##R##_one_##V(x, ldx, p + c * T##_PSTRIDE(K), K, b ? b + c * LANES : 0, y + c * LANES, ldy);   \
 }
 #define PANEL_TILES(T, WT, PC)                                                                                     \
 PTILES(T, WT, 1, PC##1) PTILES(T, WT, 2, PC##2) PTILES(T, WT, 3, PC##3) PTILES(T, WT, 4, PC##4)                    \
 PTILES(T, WT, 5, PC##5) PTILES(T, WT, 6, PC##6) PTILES(T, WT, 7, PC##7) PTILES(T, WT, 8, PC##8)                    \
 typedef void (*T##_prow_fn)(const float *, int64_t, const WT *, int64_t, const float *, float *, int64_t, int64_t); \
-static const T##_prow_fn T##_PROWS[9] = {0, T##_ptile_1, T##_ptile_2, T##_ptile_3, T##_ptile_4, T##_ptile_5,      \
-                                         T##_ptile_6, T##_ptile_7, T##_ptile_8};                                  \
+static const T##_prow_fn T##_PROWS[2][9] = {                                                                       \
+    {0, T##_ptile_1_np, T##_ptile_2_np, T##_ptile_3_np, T##_ptile_4_np, T##_ptile_5_np, T##_ptile_6_np,           \
+     T##_ptile_7_np, T##_ptile_8_np},                                                                             \
+    {0, T##_ptile_1_pf, T##_ptile_2_pf, T##_ptile_3_pf, T##_ptile_4_pf, T##_ptile_5_pf, T##_ptile_6_pf,           \
+     T##_ptile_7_pf, T##_ptile_8_pf}};                                                                            \
 void linear_panels_##T(const float *x, int64_t ldx, const WT *p, const float *b, float *y, int64_t ldy, int64_t M, \
                        int64_t N, int64_t K) {                                                                     \
     /* p: the panels of an N x K weight (N rounded up to LANES), b: N biases or NULL. Whole panels straight into y; \
@@ -205,8 +223,8 @@ void linear_panels_##T(const float *x, int64_t ldx, const WT *p, const float *b,
         int64_t panels = full - c0 < PANEL_CHUNK ? full - c0 : PANEL_CHUNK;                                        \
         for (int64_t m = 0; m < M; m += 8) {                                                                       \
             int64_t r = M - m < 8 ? M - m : 8;                                                                     \
-            T##_PROWS[r](x + m * ldx, ldx, p + c0 * T##_PSTRIDE(K), K, b ? b + c0 * LANES : 0,                    \
-                         y + m * ldy + c0 * LANES, ldy, panels);                                                   \
+            T##_PROWS[PANEL_PF_ON(T, r)][r](x + m * ldx, ldx, p + c0 * T##_PSTRIDE(K), K,                        \
+                                            b ? b + c0 * LANES : 0, y + m * ldy + c0 * LANES, ldy, panels);        \
         }                                                                                                          \
     }                                                                                                              \
     int64_t rest = N - full * LANES;                                                                               \
@@ -215,7 +233,8 @@ void linear_panels_##T(const float *x, int64_t ldx, const WT *p, const float *b,
         for (int64_t i = 0; i < LANES; i++) bias[i] = b && i < rest ? b[full * LANES + i] : 0.0f;                  \
         for (int64_t m = 0; m < M; m += 8) {                                                                       \
             int64_t r = M - m < 8 ? M - m : 8;                                                                     \
-            T##_PROWS[r](x + m * ldx, ldx, p + full * T##_PSTRIDE(K), K, b ? bias : 0, buf, LANES, 1);             \
+            T##_PROWS[PANEL_PF_ON(T, r)][r](x + m * ldx, ldx, p + full * T##_PSTRIDE(K), K, b ? bias : 0, buf,   \
+                                            LANES, 1);                                                             \
             for (int64_t j = 0; j < r; j++)                                                                        \
                 for (int64_t i = 0; i < rest; i++) y[(m + j) * ldy + full * LANES + i] = buf[j * LANES + i];       \
         }                                                                                                          \

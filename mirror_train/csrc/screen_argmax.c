@@ -76,9 +76,9 @@ static inline float screen_exact(const float *xr, int64_t K, const void *w, int 
         return y[0];
     }
     if (layout == 1)
-        F32_ptile_1_one(xr, K, (const float *)w + v / LANES * F32_PSTRIDE(K), K, 0, y, LANES);
+        F32_ptile_1_one_np(xr, K, (const float *)w + v / LANES * F32_PSTRIDE(K), K, 0, y, LANES);
     else
-        BF16_ptile_1_one(xr, K, (const uint16_t *)w + v / LANES * BF16_PSTRIDE(K), K, 0, y, LANES);
+        BF16_ptile_1_one_np(xr, K, (const uint16_t *)w + v / LANES * BF16_PSTRIDE(K), K, 0, y, LANES);
     return y[v % LANES];
 }
 
