@@ -523,7 +523,8 @@ def tune_prefetch() -> dict[str, int]:
         try:
             mask = int(name, 0)
         except ValueError:
-            raise ValueError(f"MIRROR_TRAIN_PANEL_PREFETCH must be auto, default or a mask (0x1fc), got {name!r}")
+            message = f"MIRROR_TRAIN_PANEL_PREFETCH must be auto, default or a mask (0x1fc), got {name!r}"
+            raise ValueError(message) from None
         masks = dict.fromkeys(PREFETCH_TYPES, mask)
     return {t: panel_prefetch(t, int(m)) for t, m in masks.items()}
 

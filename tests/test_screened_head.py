@@ -145,7 +145,8 @@ def test_per_id_bounds_keep_the_argmax_where_row_norms_differ_widely(layout, val
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["int8_amx", "int8", "bf16_dot"])  # screens that round the input (the widened one does not)
+# screens that round the input (the widened one does not)
+@pytest.mark.parametrize("kind", ["int8_amx", "int8", "bf16_dot"])
 def test_the_per_id_bound_keeps_fewer_candidates_than_the_largest_norms_bound(kind):
     """The candidates the kernel computes (its count: the rows' lower bounds and the logits past them) against the
     bound a_v ≥ max a − 2·max e (the thirty-third session's), counted here in float64: on rows aimed at a cluster
