@@ -281,7 +281,10 @@ def test_a_targets_greedy_tokens_are_its_logits_argmax(tiny_model_dir):
     target = Target.load(str(tiny_model_dir))
     fastpath.install(target.model, "exact")
     screen = screened_head.screen_of(target.lm_head)
-    assert screen is not None and fastpath.describe(target.model)["head_screen"] == screen.kind  # what reports name
+    record = fastpath.describe(target.model)  # what reports name
+    assert screen is not None and record["head_screen"] == screen.kind
+    if record.get("layout") == "panels":  # and which panel tiles prefetch, as measured here
+        assert int(record["panel_prefetch"], 16) == kernels.panel_prefetch(record["weights_read"])
     g = torch.Generator().manual_seed(2)
     for rows in (1, 4, 9):
         final = target.decoder.norm(torch.randn(1, rows, target.config.hidden_size, generator=g) * 3)
