@@ -48,6 +48,8 @@ def run(args) -> dict:
         "fast_path": engine.fast_path,
         "kernel_layout": served.get("layout"),
         "weights_read": served.get("weights_read"),  # half-precision copies (kernels.serve_narrow)
+        "head_screen": served.get("head_screen"),  # greedy tokens through the LM head's screen (screened_head.py)
+        "panel_prefetch": served.get("panel_prefetch"),
         "records": records,
     }
     with torch.inference_mode():
