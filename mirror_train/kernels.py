@@ -582,43 +582,41 @@ PREFETCH_ALWAYS = (1 << 7) | (1 << 8)
 def prefetch_times(rounds: int = 5, layers: int = PREFETCH_LAYERS) -> dict[str, int]:
     """Per panel type, the mask of tile heights whose calls over `layers` decoder layers' linears took less time
     prefetching than not (PREFETCH_ROWS measured: medians of alternating rounds, one thread; PREFETCH_ALWAYS set).
-    The mask in force before is restored."""
+    One type's panels at a time (~230 MB of float32 ones held at most). The mask in force before is restored."""
     import statistics
     import time
 
     gen = torch.Generator().manual_seed(1)
-    read: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {t: [] for t in PREFETCH_TYPES}
-    for _ in range(layers):
-        for shape in PREFETCH_SHAPES:
-            w = torch.rand(shape, generator=gen) - 0.5
-            meta = torch.empty(shape, device="meta")  # `linear` reads the panels; the weight gives the shape
-            read["float32"].append((meta, to_panels(w)))
-            read["bfloat16"].append((meta, to_panels(w.bfloat16())))
-    for t in PREFETCH_TYPES:  # on huge pages, as served weights are (alignment.py)
-        read[t] = list(zip([m for m, _ in read[t]], alignment.pack([p for _, p in read[t]]), strict=True))
     x = torch.rand(max(PREFETCH_ROWS), max(k for _, k in PREFETCH_SHAPES), generator=gen)
     before = {t: panel_prefetch(t) for t in PREFETCH_TYPES}
-    times: dict[tuple[str, int, int], list[float]] = {}
+    masks = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with torch.inference_mode():
-            for _ in range(rounds + 1):  # the first round warms
-                for t in PREFETCH_TYPES:
+        for t in PREFETCH_TYPES:
+            shapes = [shape for _ in range(layers) for shape in PREFETCH_SHAPES]
+            dtype = getattr(torch, t)
+            # on huge pages, as served weights are (alignment.py); `linear` reads the panels, the weight its shape
+            panels = alignment.pack([to_panels((torch.rand(shape, generator=gen) - 0.5).to(dtype)) for shape in shapes])
+            read = [(torch.empty(shape, device="meta"), p) for shape, p in zip(shapes, panels, strict=True)]
+            times: dict[tuple[int, int], list[float]] = {}
+            with torch.inference_mode():
+                for _ in range(rounds + 1):  # the first round warms
                     for r in PREFETCH_ROWS:
                         for on in (0, 1):
                             panel_prefetch(t, (1 << r) if on else 0)
                             start = time.perf_counter()
-                            for meta, p in read[t]:
+                            for meta, p in read:
                                 linear(x[:r, : meta.shape[1]].contiguous(), meta, panels=p)
-                            times.setdefault((t, r, on), []).append((time.perf_counter() - start) * 1e3)
+                            times.setdefault((r, on), []).append((time.perf_counter() - start) * 1e3)
+            med = {key: statistics.median(v[1:]) for key, v in times.items()}
+            masks[t] = sum(1 << r for r in PREFETCH_ROWS if med[(r, 1)] < med[(r, 0)]) | PREFETCH_ALWAYS
+            del panels, read
     finally:
         torch.set_num_threads(threads)
         for t, mask in before.items():
             panel_prefetch(t, mask)
-    med = {key: statistics.median(v[1:]) for key, v in times.items()}
-    measured = {t: sum(1 << r for r in PREFETCH_ROWS if med[(t, r, 1)] < med[(t, r, 0)]) for t in PREFETCH_TYPES}
-    return {t: mask | PREFETCH_ALWAYS for t, mask in measured.items()}
+    return masks
 
 
 def _run_pointers(runs: torch.Tensor) -> tuple[int, int, int]:
