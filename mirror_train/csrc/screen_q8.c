@@ -102,15 +102,14 @@ void screen_q8(const float *x, int64_t M, int64_t K, const int8_t *panels, const
 
 /* The same screen on AMX's tiles (Sapphire Rapids and later Xeons): TDPBUSD is the same unsigned-by-signed dot
    product of byte quads, 16 x 16 of them a 64-byte step in one instruction, its sums the same exact integers, so
-   every screened logit has the bits of screen_q8 above (screen_q8_store). The int8 panels are already the layout
-   a tile's B operand reads (16 ids x 4 bytes a row, a row a quad of k), 16 quads (1 KB) a tile; a tile's A operand
-   is up to 16 quad rows (8 input rows, h and l) x 16 quads. On the dot product of byte quads the screen is
-   compute-bound from ~4 rows (two bytes a value double the products); on tiles the products are ~16x cheaper and
-   the screen streams its bytes at any width up to 16 rows. Up to 8 input rows four panels at a time (4 accumulator
-   tiles), 9 to 16 two panels at a time for each 8 rows; the panels past the last whole group, and heads whose K is
-   not a multiple of 64, go through screen_q8. Linux lends a process
-   the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM): screen_q8_amx_built() asks once and says
-   whether it was granted. */
+   every screened logit has the bits of screen_q8 above (screen_q8_store). The int8 panels are already the layout a
+   tile's B operand reads (16 ids x 4 bytes a row, a row a quad of k), 16 quads (1 KB) a tile; a tile's A operand is
+   up to 16 quad rows (8 input rows, h and l) x 16 quads. On the dot product of byte quads the screen is compute-bound
+   from ~4 rows (two bytes a value double the products); on tiles the products are ~16x cheaper and the screen streams
+   its bytes at any width up to 16 rows. Up to 8 input rows four panels at a time (4 accumulator tiles), 9 to 16 two
+   panels at a time for each 8 rows; the panels past the last whole group, and heads whose K is not a multiple of 64,
+   go through screen_q8. Linux lends a process the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM):
+   screen_q8_amx_built() asks once and says whether it was granted. */
 #if LANES == 16 && defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <sys/syscall.h>
 #include <unistd.h>
