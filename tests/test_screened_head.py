@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from mirror_train import fastpath, kernels, screened_head
+from mirror_train import fastpath, fused_head, kernels, screened_head
 from mirror_train.target import Target
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the kernel")
@@ -222,8 +222,6 @@ def test_the_int8_screen_on_amx_tiles_has_the_dot_products_bits():
     follow: every screened logit has the same bits, at every row count (8 input rows a tile, 16 a pass over the head,
     more in passes), panel counts not a multiple of the tiles' four or two (the rest on the dot product), and a K
     that is not a multiple of 64 (all of it on the dot product)."""
-    from mirror_train import fused_head
-
     g = torch.Generator().manual_seed(12)
     for n, k in ((1000, 128), (4100, 64), (999, 192), (48, 64), (64, 100), (3000, 576)):
         panels, scales, sums = fused_head.quantize_panels(torch.randn(n, k, generator=g) * 0.05, kernels.lanes())

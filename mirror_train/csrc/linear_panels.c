@@ -55,7 +55,8 @@
    PANEL_PF_FROM rows unless kernels.py sets a mask it measured on this machine (panel_prefetch). On the AMX Xeon
    the float32 stack's 2- and 3-row steps ran ~1 ms faster without it and 4-8 rows slower (docs/engine.md,
    forty-fourth session), where Zen 3 and 4 had gained from 2 rows on. */
-static int64_t panel_pf_mask[2] = {0x1FF & ~((1 << PANEL_PF_FROM) - 1), 0x1FF & ~((1 << PANEL_PF_FROM) - 1)};
+#define PANEL_PF_DEFAULT (0x1FF & ~((1 << PANEL_PF_FROM) - 1))
+static int64_t panel_pf_mask[2] = {PANEL_PF_DEFAULT, PANEL_PF_DEFAULT};
 #define PANEL_PF_ON(T, r) ((int)((panel_pf_mask[PANEL_TYPE_##T] >> (r)) & 1))
 #define PANEL_TYPE_F32 0
 #define PANEL_TYPE_BF16 1
@@ -144,7 +145,7 @@ static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, cons
         vec lo[C], hi[C];                                                                                          \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             BF16_PAIR(p + c * cs, lo[c], hi[c]);                                                                   \
-            if (PF) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);         \
+            if (PF) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);                   \
         }                                                                                                          \
         PTILE_FMA(R, C, lo, k);                                                                                    \
         PTILE_FMA(R, C, hi, k + 1);                                                                                \
@@ -158,7 +159,7 @@ static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, cons
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             vec lo, hi;                                                                                            \
             BF16_PAIR(p + c * cs, lo, hi);                                                                         \
-            if (PF) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);         \
+            if (PF) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);                   \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][c] = VFMA(lo, x0[r], acc[r][c]);            \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][c] = VFMA(hi, x1[r], acc[r][c]);            \
         }                                                                                                          \
@@ -186,7 +187,7 @@ static void NAME(const float *x, int64_t ldx, const float *p, int64_t K, const f
         vec w[C];                                                                                                  \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             w[c] = F32_LOAD(p + c * cs);                                                                           \
-            if (PF) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);         \
+            if (PF) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);                   \
         }                                                                                                          \
         PTILE_FMA(R, C, w, k);                                                                                     \
     }                                                                                                              \

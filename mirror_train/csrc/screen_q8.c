@@ -128,19 +128,45 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed, aligned(64))) amx_config;
 
+/* Palette 1, 64-byte rows in every tile, tile t's rows rows[t] */
+static void screen_q8_configure(const uint8_t rows[8]) {
+    amx_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = rows[t];
+    _tile_loadconfig(&cfg);
+}
+
+/* Accumulator tiles 0-3 (group g's sums of panels p + c in tile g * C + c, C = 4 / groups; group g the quad rows
+   16g.., rows[g] of them) into y's rows 8g.. through screen_q8_store */
+static void screen_q8_tiles_out(int groups, const int64_t rows[2], int64_t p, const float *xs, const float *ws,
+                                const int32_t *wsum, float *y, int64_t ldy, int64_t N) {
+    int32_t sums[4][16][16] __attribute__((aligned(64)));
+    _tile_stored(0, sums[0], 64); /* macros of asm statements: one a statement */
+    _tile_stored(1, sums[1], 64);
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+    int C = 4 / groups;
+    for (int g = 0; g < groups; g++)
+        for (int64_t r = 0; r < rows[g]; r += 2)
+            for (int c = 0; c < C; c++) {
+                int64_t n = (p + c) * LANES, m = 8 * g + r / 2;
+                __m512i h = _mm512_load_si512((const void *)sums[g * C + c][r]);
+                __m512i l = _mm512_load_si512((const void *)sums[g * C + c][r + 1]);
+                screen_q8_store(h, l, wsum + n, ws + n, xs[m], y + m * ldy + n, N - n);
+            }
+}
+
 /* Q (<= 16) quad rows against panels 0..P4-1 (P4 a multiple of 4), K4 a multiple of 16: tiles 0-3 the sums of four
    panels, 4 the quad rows' step, 5-7 the panels' steps in turn */
 static void screen_q8_tiles(const uint32_t *xq, const float *xs, int64_t Q, int64_t K4, const int8_t *panels,
                             const float *ws, const int32_t *wsum, float *y, int64_t ldy, int64_t N, int64_t P4) {
-    amx_config cfg = {0};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = t < 5 ? (uint8_t)Q : 16;
-    _tile_loadconfig(&cfg);
+    const uint8_t rows[8] = {(uint8_t)Q, (uint8_t)Q, (uint8_t)Q, (uint8_t)Q, (uint8_t)Q, 16, 16, 16};
+    const int64_t out[2] = {Q, 0};
+    screen_q8_configure(rows);
     int64_t ps = K4 * 64, steps = K4 / 16, xstride = K4 * 4;
-    int32_t sums[4][16][16] __attribute__((aligned(64)));
     for (int64_t p = 0; p < P4; p += 4) {
         const int8_t *b = panels + p * ps;
-        _tile_zero(0); /* macros of asm statements: one a statement */
+        _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
@@ -155,17 +181,7 @@ static void screen_q8_tiles(const uint32_t *xq, const float *xs, int64_t Q, int6
             _tile_loadd(5, b + 3 * ps, 64);
             _tile_dpbusd(3, 4, 5);
         }
-        _tile_stored(0, sums[0], 64);
-        _tile_stored(1, sums[1], 64);
-        _tile_stored(2, sums[2], 64);
-        _tile_stored(3, sums[3], 64);
-        for (int64_t r = 0; r < Q; r += 2)
-            for (int c = 0; c < 4; c++) {
-                int64_t n = (p + c) * LANES;
-                __m512i h = _mm512_load_si512((const void *)sums[c][r]);
-                __m512i l = _mm512_load_si512((const void *)sums[c][r + 1]);
-                screen_q8_store(h, l, wsum + n, ws + n, xs[r / 2], y + (r / 2) * ldy + n, N - n);
-            }
+        screen_q8_tiles_out(1, out, p, xs, ws, wsum, y, ldy, N);
     }
     _tile_release();
 }
@@ -174,13 +190,11 @@ static void screen_q8_tiles(const uint32_t *xq, const float *xs, int64_t Q, int6
    the first rows' sums of two panels, 2-3 the other rows', 4-5 the two groups of quad rows' step, 6-7 the panels' */
 static void screen_q8_tiles2(const uint32_t *xq, const float *xs, int64_t Q1, int64_t K4, const int8_t *panels,
                              const float *ws, const int32_t *wsum, float *y, int64_t ldy, int64_t N, int64_t P2) {
-    amx_config cfg = {0};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = t == 2 || t == 3 || t == 5 ? (uint8_t)Q1 : 16;
-    _tile_loadconfig(&cfg);
+    const uint8_t rows[8] = {16, 16, (uint8_t)Q1, (uint8_t)Q1, 16, (uint8_t)Q1, 16, 16};
+    const int64_t out[2] = {16, Q1};
+    screen_q8_configure(rows);
     int64_t ps = K4 * 64, steps = K4 / 16, xstride = K4 * 4;
     const uint32_t *x1 = xq + 16 * K4;
-    int32_t sums[4][16][16] __attribute__((aligned(64)));
     for (int64_t p = 0; p < P2; p += 2) {
         const int8_t *b = panels + p * ps;
         _tile_zero(0);
@@ -197,17 +211,7 @@ static void screen_q8_tiles2(const uint32_t *xq, const float *xs, int64_t Q1, in
             _tile_dpbusd(1, 4, 7);
             _tile_dpbusd(3, 5, 7);
         }
-        _tile_stored(0, sums[0], 64);
-        _tile_stored(1, sums[1], 64);
-        _tile_stored(2, sums[2], 64);
-        _tile_stored(3, sums[3], 64);
-        for (int64_t r = 0; r < 16 + Q1; r += 2)
-            for (int c = 0; c < 2; c++) {
-                int64_t n = (p + c) * LANES, g = r < 16 ? c : 2 + c, rr = r < 16 ? r : r - 16;
-                __m512i h = _mm512_load_si512((const void *)sums[g][rr]);
-                __m512i l = _mm512_load_si512((const void *)sums[g][rr + 1]);
-                screen_q8_store(h, l, wsum + n, ws + n, xs[r / 2], y + (r / 2) * ldy + n, N - n);
-            }
+        screen_q8_tiles_out(2, out, p, xs, ws, wsum, y, ldy, N);
     }
     _tile_release();
 }
