@@ -48,7 +48,10 @@ def main(out_dir: str) -> None:
         save_every=1000,
         desc="two ranks",
     )
-    print(f"rank {accelerator.process_index} stopped at step {step}", flush=True)
+    # one write for the whole line: under PYTHONUNBUFFERED print writes the text and its newline apart, and the two
+    # ranks' lines, sharing one pipe, came out as "rank 0 stopped at step 3rank 1 stopped at step 3"
+    sys.stdout.write(f"rank {accelerator.process_index} stopped at step {step}\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
