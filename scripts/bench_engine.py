@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -38,6 +39,8 @@ def pick_prompts(path, per_task: int):
 PARTS = ("prefix_ms", "head_ms", "suffix_ms", "wait_ms", "branch_ms", "fallback_ms")
 # How Mirror-SD's next window was made after a verdict (`next_window_kind`), for where its wait goes (`print_waits`)
 KINDS = ("whole branch", "branch drafted on", "miss, c* in top-κ", "miss, c* not in top-κ")
+# Mirror-SD beside a perfect proxy head (`--perfect-head`): c* always its first candidate, what the head's misses cost
+PERFECT = "mirror_perfect_head"
 
 
 def next_window_kind(step) -> str | None:
@@ -66,16 +69,19 @@ def wait_kinds(steps) -> dict:
     return out
 
 
-def run_methods(engine, prompts, references, methods, max_new_tokens):
-    """Every method on every prompt, methods interleaved per prompt (a noisy machine drifts between them)."""
+def run_methods(engine, prompts, references, methods, max_new_tokens, more=()):
+    """Every method on every prompt, methods interleaved per prompt (a noisy machine drifts between them); `more`:
+    (engine, method, label) runs of other engines, interleaved the same way, their rows named by the label."""
     rows = []
+    runs = [(engine, method, method) for method in methods] + list(more)
     for (task, prompt), ref in zip(prompts, references, strict=True):
-        for method in methods:
-            g = engine.generate(prompt.messages(), max_new_tokens, method=method, reference=ref)
+        for runner, method, label in runs:
+            g = runner.generate(prompt.messages(), max_new_tokens, method=method, reference=ref)
             steps = [s for s in g.steps if s.window]
             rows.append(
                 {
                     **g.summary(),
+                    "method": label,
                     "task": task,
                     "id": prompt.id,
                     "lossless": g.tokens == ref,
@@ -148,7 +154,9 @@ def print_steps(table) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in table:
-        for method in ("sd", "mirror"):
+        for method in ("sd", "mirror", PERFECT):
+            if method not in row["methods"]:
+                continue
             a = row["methods"][method]
             p, tokens = a["per_step"], a["mean_accepted"]
             print(
@@ -171,17 +179,26 @@ def print_waits(table) -> None:
     )
     print("|---|---|---|---|---|---|---|")
     for row in table:
-        for kind, w in row["methods"]["mirror"]["per_step"]["waits"].items():
-            print(
-                f"| {row['acceptance']:.1f} | {kind} | {w['share']:.3f} | {w['wait_ms']:.1f} | {w['queued_ms']:.1f} | "
-                f"{w['forwards']:.2f} | {w['share'] * w['wait_ms']:.2f} |"
-            )
+        for method in ("mirror", PERFECT):
+            if method not in row["methods"]:
+                continue
+            head = "" if method == "mirror" else " (perfect head)"
+            for kind, w in row["methods"][method]["per_step"]["waits"].items():
+                print(
+                    f"| {row['acceptance']:.1f}{head} | {kind} | {w['share']:.3f} | {w['wait_ms']:.1f} | "
+                    f"{w['queued_ms']:.1f} | {w['forwards']:.2f} | {w['share'] * w['wait_ms']:.2f} |"
+                )
 
 
 def round_ratios(rows) -> dict:
-    """One round's decoding tokens/s by method and Mirror-SD's ratios to ar and to serial SD."""
-    speed = {m: aggregate(rows, m)["decode_tokens_per_s"] for m in ("ar", "sd", "mirror")}
-    return speed | {"mirror/ar": speed["mirror"] / speed["ar"], "mirror/sd": speed["mirror"] / speed["sd"]}
+    """One round's decoding tokens/s by method and Mirror-SD's ratios to ar and to serial SD (and its perfect-head
+    run's, where there is one)."""
+    methods = [m for m in ("ar", "sd", "mirror", PERFECT) if any(r["method"] == m for r in rows)]
+    speed = {m: aggregate(rows, m)["decode_tokens_per_s"] for m in methods}
+    out = speed | {"mirror/ar": speed["mirror"] / speed["ar"], "mirror/sd": speed["mirror"] / speed["sd"]}
+    if PERFECT in speed:
+        out[f"{PERFECT}/sd"] = speed[PERFECT] / speed["sd"]
+    return out
 
 
 def spread(rounds, key: str) -> str:
@@ -206,6 +223,13 @@ def main() -> None:
     ap.add_argument("--draft-cost", type=float, default=0.15, help="synthetic forward cost / target token time")
     ap.add_argument("--node-cost", type=float, default=0.03, help="synthetic cost per extra tree node / forward")
     ap.add_argument("--streams", type=int, default=0, help="synthetic draft: tokens per forward − 1")
+    ap.add_argument(
+        "--perfect-head",
+        action="store_true",
+        help="part 1: also run Mirror-SD with a perfect proxy head (the synthetic draft puts the target's next token "
+        "first among the head's candidates at every window position), interleaved with the others: the ceiling a "
+        "better head could reach, and what the trained head's misses cost",
+    )
     ap.add_argument(
         "--repeats",
         type=int,
@@ -280,14 +304,20 @@ def main() -> None:
         )
         start = time.perf_counter()
         alone = replace(base, ngram_tokens=0)  # the synthetic draft alone: no copied windows
-        with MirrorEngine(target, args.proxy_head, synthetic, alone) as engine:
-            engine.generate(prompts[0][1].messages(), 8, method="mirror", reference=references[0])  # warm-up
+        perfect = replace(synthetic, perfect_head=True)
+        with (
+            MirrorEngine(target, args.proxy_head, synthetic, alone) as engine,
+            MirrorEngine(target, args.proxy_head, perfect, alone) if args.perfect_head else nullcontext() as ceiling,
+        ):
+            more = [(ceiling, "mirror", PERFECT)] if ceiling is not None else []
+            for runner in [engine] + [c for c, _, _ in more]:  # warm-up
+                runner.generate(prompts[0][1].messages(), 8, method="mirror", reference=references[0])
             rounds = [
-                run_methods(engine, prompts, references, ["ar", "sd", "mirror"], args.max_new_tokens)
+                run_methods(engine, prompts, references, ["ar", "sd", "mirror"], args.max_new_tokens, more)
                 for _ in range(args.repeats)
             ]
         rows = [r for one in rounds for r in one]
-        agg = {m: aggregate(rows, m) for m in ("ar", "sd", "mirror")}
+        agg = {m: aggregate(rows, m) for m in ("ar", "sd", "mirror") + ((PERFECT,) if more else ())}
         table.append(
             {"acceptance": acceptance, "methods": agg, "rows": rows, "rounds": [round_ratios(r) for r in rounds]}
         )
@@ -324,6 +354,18 @@ def main() -> None:
                 f"{fmt(m['mean_accepted'])} | {fmt(m['reuse_rate'])} | {fmt(m['hit'])} | "
                 f"{fmt(m['overlap_efficiency'])} | {a['lossless'] and s['lossless'] and m['lossless']} |"
             )
+        if args.perfect_head:
+            print("\nWith a perfect proxy head (c* always its first candidate; decoding ratios, each round's too):\n")
+            print("| acceptance | mirror/sd | perfect head: mirror/sd | hit | perfect head: hit |")
+            print("|---|---|---|---|---|")
+            for row in table:
+                m, p, s = (row["methods"][k] for k in ("mirror", PERFECT, "sd"))
+                print(
+                    f"| {row['acceptance']:.1f} | "
+                    f"{m['decode_tokens_per_s'] / s['decode_tokens_per_s']:.2f}×{spread(row['rounds'], 'mirror/sd')} | "
+                    f"{p['decode_tokens_per_s'] / s['decode_tokens_per_s']:.2f}×"
+                    f"{spread(row['rounds'], f'{PERFECT}/sd')} | {fmt(m['hit'])} | {fmt(p['hit'])} |"
+                )
         print_steps(table)
         print_waits(table)
 

@@ -219,6 +219,30 @@ def test_synthetic_draft_draws_once_per_position():
     assert 0.4 < sum(right) / len(right) < 0.6
 
 
+def test_a_perfect_head_puts_c_star_first_where_the_context_is_on_the_reference():
+    """The synthetic draft's perfect head (`perfect_head`, a measuring device): c* first at each window position
+    whose context is the reference's, the drafted token left as the spine where it is c*, nothing past the first
+    position off the reference; without it the server's hook is absent."""
+    from mirror_train.engine.drafts import PERFECT_P, SyntheticDraft
+
+    prompt, reference = [1, 2, 3], [10, 11, 12, 13, 14, 15]
+    assert SyntheticDraft(SyntheticDraftConfig(), 100).perfect_candidates is None
+    draft = SyntheticDraft(SyntheticDraftConfig(perfect_head=True), 100)
+    draft.reset(prompt, reference)
+    committed = prompt + reference[:1]  # c* at window position r is reference[1 + r] while the window agrees
+    window = [11, 99, 13]  # right, wrong (c* there is 12), then off the reference
+    ids = [[50, 51, 12], [52, 53, 12], [54, 55, 56], [57, 58, 59]]
+    logp = [[-1.0, -2.0, -3.0]] * 4
+    out_ids, out_logp = draft.perfect_candidates(committed, window, ids, logp)
+    assert out_ids[0] == [50, 51, 12]  # the drafted 11 is c*: no branch
+    assert out_ids[1] == [12, 52, 53] and out_logp[1] == [pytest.approx(math.log(PERFECT_P)), -1.0, -2.0]
+    assert out_ids[2:] == ids[2:]  # after the wrong token: off the reference, never needed
+    assert ids[1] == [52, 53, 12]  # the head's own lists are not changed in place
+    # at the bonus position of a window the target keeps whole, c* joins in place of the head's last
+    out_ids, _ = draft.perfect_candidates(committed, [11, 12, 13], ids, logp)
+    assert out_ids[3] == [14, 57, 58]
+
+
 def test_expected_committed():
     assert expected_committed([0.0] * 4)[-1] == 1.0
     assert expected_committed([1.0] * 4)[-1] == 5.0
@@ -356,6 +380,18 @@ def test_a_synthetic_draft_at_any_acceptance_is_lossless(target, prompts, refere
                     assert g.mean_accepted == MAX_NEW / (1 + math.ceil((MAX_NEW - 1) / (gamma + 1)))
                 if acceptance == 0.0:
                     assert g.mean_accepted == 1.0 and all(s.accepted == 0 for s in g.steps)
+
+
+def test_mirror_with_a_perfect_head_hits_every_step_and_stays_lossless(target, prompts, references):
+    """The ceiling device of `scripts/bench_engine.py --perfect-head`: every verdict's c* is among the candidates."""
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=6, placement="local", **FIXED)
+    draft = SyntheticDraftConfig(acceptance=0.6, forward_ms=0, perfect_head=True)
+    with MirrorEngine(target, None, draft, cfg) as engine:
+        for prompt, ref in zip(prompts, references):
+            g = engine.generate(prompt, MAX_NEW, method="mirror", stop=[], reference=ref)
+            assert g.tokens == ref
+            hits = [s.hit for s in g.steps if s.hit is not None]
+            assert hits and all(hits)
 
 
 def test_the_rollout_shape_trades_depth_for_branches_within_the_suffix():

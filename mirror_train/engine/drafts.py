@@ -85,6 +85,11 @@ class ModelDraft:
         return self.cache.get_seq_length() - self.committed
 
 
+# The probability a perfect head gives c* (`SyntheticDraft.perfect_candidates`): sure but not certain, so the planner
+# still weighs each branch's depth against the suffix as it does the trained head's
+PERFECT_P = 0.9
+
+
 @dataclass
 class SyntheticDraftConfig:
     """A draft that replays the target's own greedy continuation with injected errors, at a chosen cost.
@@ -106,6 +111,8 @@ class SyntheticDraftConfig:
     num_streams: int = 2
     seed: int = 0
     fail_after: int | None = None  # fault injection: raise on the rollout after this many (the engine's fault path)
+    # A perfect proxy head beside it (`SyntheticDraft.perfect_candidates`): the ceiling a better head could reach
+    perfect_head: bool = False
 
     def validate(self) -> None:
         if not 0 <= self.acceptance <= 1:
@@ -126,6 +133,8 @@ class SyntheticDraft:
         self.rollouts = 0
         self.context: list[int] = []  # the committed tokens it has "cached"
         self.spine: list[int] = []
+        # the draft server's hook for the proxy's candidates (DraftServer._branches): None leaves the head's alone
+        self.perfect_candidates = self._perfect_candidates if cfg.perfect_head else None
 
     def reset(self, prompt: Sequence[int], reference: Sequence[int] | None = None, features=None) -> None:
         if reference is None:
@@ -164,6 +173,32 @@ class SyntheticDraft:
         cost = passes * self.cfg.forward_ms + self.cfg.node_ms * (nodes - 1 + (passes - 1) * (later_nodes - 1))
         _sleep_until(start + cost / 1000)
         return [Rollout(tokens, [0.0] * len(tokens), passes, [], None) for tokens in out]
+
+    def _perfect_candidates(self, committed, window, ids, logp):
+        """A perfect proxy head (`perfect_head`): at each window position r = 0..γ whose context is on the
+        reference, c* (the reference's next token, the target's own) joins the head's candidates first, at
+        probability PERFECT_P, in place of the head's last; the drafted token, where it is c*, stays the spine. The
+        head's ranking, the planner and the rollouts are otherwise the engine's own, so what Mirror-SD gains with it
+        is what the head's misses cost (docs/engine.md, forty-fifth session)."""
+        ids = [[int(c) for c in row] for row in ids]
+        logp = [[float(lp) for lp in row] for row in logp]
+        for r in range(len(window) + 1):
+            context = list(committed) + list(window[:r])
+            n = len(context)
+            if n >= len(self.reference) or context != self.reference[:n]:
+                break  # off the reference: every later position is too, and no branch there can be needed
+            truth = self.reference[n]
+            if r < len(window) and window[r] == truth:
+                continue  # the drafted token is c*: the spine continues, no branch
+            if truth in ids[r]:
+                i = ids[r].index(truth)
+                del ids[r][i], logp[r][i]
+            elif ids[r]:
+                ids[r].pop()
+                logp[r].pop()
+            ids[r].insert(0, truth)
+            logp[r].insert(0, math.log(PERFECT_P))
+        return ids, logp
 
     def keep(self, n: int) -> None:
         self.context += self.spine[:n]

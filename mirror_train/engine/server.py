@@ -226,6 +226,9 @@ class DraftServer:
         else:
             ids, logp, window_logp = candidates.ids, candidates.logp, candidates.window_logp
         self.window_states = exit_states if "exit" in self.target_slots else None
+        perfect = getattr(self.backend, "perfect_candidates", None)  # the synthetic draft's perfect head, a ceiling
+        if perfect is not None:
+            ids, logp = perfect(self.tokens, self.window, ids, logp)
         self.window_p = [math.exp(lp) for lp in window_logp]
         self.cands = ids  # the head's own (its online hit_κ)
         if self.roots is not None:
