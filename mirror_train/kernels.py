@@ -119,6 +119,10 @@ def _library() -> ctypes.CDLL | None:
             lib.screen_argmax.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr]
             lib.screen_argmax.argtypes += [ctypes.c_int, i64, ptr]
             lib.screen_argmax.restype = i64
+        if hasattr(lib, "screen_sample"):  # the same, plus each row's noise and its stride (Gumbel-max samples)
+            lib.screen_sample.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int, ptr, ptr, ptr, ptr]
+            lib.screen_sample.argtypes += [ctypes.c_int, ptr, i64, i64, ptr]
+            lib.screen_sample.restype = i64
         # x, ldx, panels, bias, y, ldy, M, N, K, scratch
         lib.linear_dot.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
         lib.linear_dot.restype = None
@@ -278,34 +282,30 @@ def screen_argmax(
     constants: torch.Tensor,
     bounds: torch.Tensor,
     most: int,
+    noise: torch.Tensor | None = None,
 ) -> list[int] | None:
     """Each row's greedy id for a head (N, K) served from `panels` (float32 or bfloat16, `to_panels`) or else from its
     float32 rows `weight`: the screen's candidates row by row (each row's lower bound its served logit at its
     screened argmax), each row's served logits over its own (`linear`'s bits) and their first largest; None where a
     bound is not finite or more than `most` logits would be computed. `scores`: the screened logits (M, ≥ N); mode:
-    how the screen read x (`screened_head.MODES`: as it is, rounded to bfloat16, or in two int8 bytes a value)."""
+    how the screen read x (`screened_head.MODES`: as it is, rounded to bfloat16, or in two int8 bytes a value).
+    `noise` (M, ≥ N) float32: the first largest of each row's served logits plus its noise instead, their float32
+    sums (a Gumbel-max sample, `acceptance.sample_noise`)."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
     if panels is None:
         served, layout = weight.contiguous(), 0
     else:
         served, layout = panels, 1 if panels.dtype == torch.float32 else 2
     ids = torch.empty(rows.shape[0], dtype=torch.int64)
-    count = _library().screen_argmax(
-        scores.data_ptr(),
-        scores.shape[0],
-        weight.shape[0],
-        scores.stride(0),
-        rows.data_ptr(),
-        rows.shape[1],
-        int(mode),
-        constants.data_ptr(),
-        bounds[0].data_ptr(),
-        bounds[1].data_ptr(),
-        served.data_ptr(),
-        layout,
-        most,
-        ids.data_ptr(),
-    )
+    head = (scores.data_ptr(), scores.shape[0], weight.shape[0], scores.stride(0), rows.data_ptr(), rows.shape[1])
+    head += (int(mode), constants.data_ptr(), bounds[0].data_ptr(), bounds[1].data_ptr(), served.data_ptr(), layout)
+    if noise is None:
+        count = _library().screen_argmax(*head, most, ids.data_ptr())
+    else:
+        z = noise.to(torch.float32)
+        if z.dim() != 2 or z.shape[0] != rows.shape[0] or z.shape[1] < weight.shape[0] or z.stride(1) != 1:
+            raise ValueError(f"noise must be (rows, ≥ {weight.shape[0]}) with unit stride, got {tuple(z.shape)}")
+        count = _library().screen_sample(*head, z.data_ptr(), z.stride(0), most, ids.data_ptr())
     return None if count < 0 else ids.tolist()
 
 

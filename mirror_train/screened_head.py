@@ -39,8 +39,11 @@ typical id's norm is ~0.4 of the largest.
 
 Where it pays is measured once per machine, by rows (`ScreenedHead.rows`, at the fast path's install): with the
 bfloat16 dot product it roughly halves the head's time at 1–16 rows on an AVX-512 Zen 4 core (docs/engine.md,
-thirty-third session). Greedy only: sampling needs every probability (`Target.greedy_scores` is for temperature 0),
-as does transformers' `generate` (its logits processors), which therefore still reads the whole head.
+thirty-third session). Sampling goes through it too: the engine's sample at T > 0 is the Gumbel-max one,
+argmax(logits + T·G) with the noise G of (seed, position) (engine/acceptance.py), an argmax again: the same bound
+keeps every id whose served logit plus its noise could be the largest sum (the noise added to the screened logit and
+to the exact one alike, the slack grown by the noise's size), and the id is `(head(x) + noise).argmax()`'s exactly
+(forty-fifth session). transformers' `generate` (its logits processors) still reads the whole head.
 """
 
 from __future__ import annotations
@@ -216,18 +219,23 @@ def argmax(head: nn.Module, x: torch.Tensor) -> list[int]:
     return argmax_and_scores(head, x)[0]
 
 
-def argmax_and_scores(head: nn.Module, x: torch.Tensor) -> tuple[list[int], torch.Tensor, bool]:
+def argmax_and_scores(
+    head: nn.Module, x: torch.Tensor, noise: torch.Tensor | None = None
+) -> tuple[list[int], torch.Tensor, bool]:
     """`argmax`, the logits it read, (rows, V), and whether they are the screen's (each within the bound of the
-    head's: for statistics, never for a token) rather than the head's own (it ran whole)."""
+    head's: for statistics, never for a token) rather than the head's own (it ran whole). `noise` (rows, V) float32:
+    the first largest of each row's `head(x) + noise` instead (a Gumbel-max sample: acceptance.py), the same id
+    whether the screen or the whole head computed it (both add in float32)."""
     rows = x.reshape(-1, x.shape[-1])
     screen = screen_of(head)
     if screen is not None and screen.used(rows.shape[0]) and rows.dtype == torch.float32:  # used: ≤ 64 rows
         scores = screen_scores(screen, rows)
-        ids = screened_argmax(head, screen, rows, scores)
+        ids = screened_argmax(head, screen, rows, scores, noise)
         if ids is not None:
             return ids, scores[:, : head.weight.shape[0]], True
     logits = head(rows)
-    return logits.argmax(-1).tolist(), logits, False
+    picked = logits if noise is None else logits.float() + noise.to(logits.device)
+    return picked.argmax(-1).tolist(), logits, False
 
 
 def logits_at(head: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -251,19 +259,27 @@ def screen_scores(screen: ScreenedHead, rows: torch.Tensor) -> torch.Tensor:
 
 
 def screened_argmax(
-    head: nn.Module, screen: ScreenedHead, rows: torch.Tensor, scores: torch.Tensor | None = None
+    head: nn.Module,
+    screen: ScreenedHead,
+    rows: torch.Tensor,
+    scores: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
 ) -> list[int] | None:
-    """`argmax` through the screen (`scores`: its logits of these rows, if already made) or None: the bound is not
-    finite, or passes MAX_CANDIDATES."""
+    """`argmax` through the screen (`scores`: its logits of these rows, if already made; `noise`: of the logits plus
+    it, `argmax_and_scores`) or None: the bound is not finite, or passes MAX_CANDIDATES."""
     w = head.weight.detach()
     if not kernels.has("screen_per_id"):  # an older revision's kernels (bench_target.py --baseline): another bound
+        return None
+    if noise is not None and not kernels.has("screen_sample"):
         return None
     if scores is None:
         scores = screen_scores(screen, rows)
     panels = kernels.panels_of(head)
     if panels is None and w.dtype != torch.float32:
         return None
-    return kernels.screen_argmax(scores, rows, w, panels, screen.mode, screen.constants, screen.bounds, MAX_CANDIDATES)
+    return kernels.screen_argmax(
+        scores, rows, w, panels, screen.mode, screen.constants, screen.bounds, MAX_CANDIDATES, noise
+    )
 
 
 def read_rows(screen: ScreenedHead, x: torch.Tensor) -> torch.Tensor:

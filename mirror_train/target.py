@@ -370,13 +370,18 @@ class Target:
         return self.greedy_scores(normed_hidden)[0]
 
     @torch.inference_mode()
-    def greedy_scores(self, normed_hidden: torch.Tensor) -> tuple[list[int], torch.Tensor, bool]:
+    def greedy_scores(
+        self, normed_hidden: torch.Tensor, noise: torch.Tensor | None = None
+    ) -> tuple[list[int], torch.Tensor, bool]:
         """`greedy`, the logits it read (rows, V), and whether they are the screen's, each within its bound of the
-        served logit (for statistics; `logits_at` gives chosen ids' exactly), rather than the head's own."""
+        served logit (for statistics; `logits_at` gives chosen ids' exactly), rather than the head's own. `noise`
+        (rows, V): each row's first largest of logits + noise instead, a sampled token (Gumbel-max:
+        `acceptance.sample_noise`), through the screen too: the id `target_tokens` gives on the whole logits."""
         if self._softcap:  # its tanh can tie logits the screen tells apart
             logits = self.logits(normed_hidden).reshape(-1, self.vocab_size)
-            return logits.argmax(-1).tolist(), logits, False
-        return screened_head.argmax_and_scores(self.lm_head, normed_hidden)
+            picked = logits if noise is None else logits.float() + noise.to(logits.device)
+            return picked.argmax(-1).tolist(), logits, False
+        return screened_head.argmax_and_scores(self.lm_head, normed_hidden, noise)
 
     @torch.inference_mode()
     def logits_at(self, normed_hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

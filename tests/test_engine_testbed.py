@@ -153,6 +153,30 @@ def test_other_settings_reproduce_the_target(testbed_target, untrained_draft, ca
                     assert g.mean_accepted > 2, method
 
 
+def test_sampling_gives_every_method_the_targets_own_samples(testbed_target, untrained_draft, cases):
+    """At T > 0 the token at each output position is the Gumbel-max sample of (seed, position) (acceptance.py), taken
+    through the LM head's screen: every method commits exactly the tokens the model's whole logits give with the
+    same noise, decoded one token at a time (an uncached forward of the whole text, `target_tokens`)."""
+    from mirror_train.engine.acceptance import target_tokens
+
+    subset = cases[2::10]  # 3 prompts, one of each source
+    temperature, seed = 0.8, 5
+    cfg = EngineConfig(kappa=4, gamma=3, branch_budget=4, placement="local", temperature=temperature, seed=seed)
+    wants = []
+    for prompt, _ in subset:
+        ids, want = list(prompt), []
+        with torch.inference_mode(), one_thread():
+            while len(want) < MAX_NEW:
+                logits = testbed_target.model(input_ids=torch.tensor([ids])).logits[0, -1:]
+                want.append(target_tokens(logits, temperature, seed, len(want))[0])
+                ids.append(want[-1])
+        wants.append(want)
+    with MirrorEngine(testbed_target, None, untrained_draft, cfg) as engine:
+        for (prompt, _), want in zip(subset, wants):
+            for method in ("ar", "sd", "mirror"):
+                assert engine.generate(prompt, MAX_NEW, method=method, stop=[]).tokens == want, method
+
+
 def trained_artifact(env: str, default: str) -> Path | None:
     path = Path(os.environ.get(env) or REPO / default)
     return path if path.exists() else None

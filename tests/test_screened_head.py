@@ -85,6 +85,57 @@ def test_the_screened_argmax_is_the_heads_whatever_the_rows_ties_included(layout
     assert checked > 100
 
 
+@needs_kernel
+@pytest.mark.parametrize("layout", kernels.LAYOUTS)
+@pytest.mark.parametrize("kind", screened_head.KINDS)
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+def test_a_sample_through_the_screen_is_the_whole_heads_gumbel_max(layout, kind, temperature, monkeypatch):
+    """Sampling (acceptance.sample_noise: T·Gumbel noise a position): the screen's token is the first largest of the
+    served logits plus the noise, exactly the id `target_tokens` takes from the whole head's logits, at 1–40 rows
+    and logits from flat to peaked, ties of the sums included (two rows' noise made equal on duplicated ids)."""
+    from mirror_train.engine.acceptance import sample_noise, target_tokens
+
+    built(kind)
+    monkeypatch.setattr(kernels, "layout", lambda dtype=None: layout)
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(1000, 128, generator=g) * 0.05
+    w[700] = w[30]  # duplicated ids: equal logits
+    head = served_head(w, kind)
+    screen = screened_head.screen_of(head)
+    checked = 0
+    for scale in (1e-2, 1.0, 30.0):
+        for rows in (1, 2, 5, 8, 16, 40):
+            x = torch.randn(rows, 128, generator=g) * scale
+            x[0] = w[30] * scale * 40
+            first = checked  # positions: distinct per row and call
+            noise = sample_noise(1000, temperature, 11, range(first, first + rows))
+            noise[0, 700] = noise[0, 30]  # a tie of the sums: the first id wins, as torch.argmax
+            whole = (head(x) + noise).argmax(-1).tolist()
+            ids = screened_head.argmax_and_scores(head, x, noise)[0]
+            assert ids == whole
+            assert screened_head.screened_argmax(head, screen, x, None, noise) == whole
+            if rows > 1:  # the row without a forced tie is target_tokens' own sample
+                assert ids[1:] == target_tokens(head(x)[1:], temperature, 11, first + 1)
+            checked += rows
+    assert checked > 100
+
+
+def test_gumbel_max_samples_follow_the_softmax():
+    """`target_tokens` at T > 0: argmax(logits + T·G) over many positions is distributed as softmax(logits / T), and
+    a position's sample depends on (seed, position) alone."""
+    from mirror_train.engine.acceptance import sample_noise, target_tokens
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0]])
+    for temperature in (0.5, 1.0, 2.0):
+        noise = sample_noise(5, temperature, 3, range(20000))
+        counts = torch.bincount((logits + noise).argmax(-1), minlength=5).double()
+        wanted = torch.softmax(logits[0].double() / temperature, -1) * 20000
+        assert ((counts - wanted).abs() <= 5 * wanted.sqrt() + 5).all(), (temperature, counts, wanted)
+    assert target_tokens(logits, 1.0, 3, 17) == target_tokens(logits, 1.0, 3, 17)
+    assert torch.equal(sample_noise(5, 1.0, 3, [17]), sample_noise(5, 1.0, 3, range(17, 18)))
+    assert not torch.equal(sample_noise(5, 1.0, 3, [17]), sample_noise(5, 1.0, 4, [17]))
+
+
 def test_the_screened_argmax_is_the_heads_on_the_avx2_and_scalar_builds(other_kernel_build, monkeypatch):
     """The same check on the other builds' code paths (the rows' candidates scanned without AVX-512), exact ties
     included."""
@@ -97,6 +148,9 @@ def test_the_screened_argmax_is_the_heads_on_the_avx2_and_scalar_builds(other_ke
         x = torch.randn(rows, 37, generator=g)
         x[0] = w[20] * 40
         assert screened_head.screened_argmax(head, screened_head.screen_of(head), x) == head(x).argmax(-1).tolist()
+        noise = torch.randn(rows, 500, generator=g) * 3  # a sample's noise: the scalar tail adds it too
+        whole = (head(x) + noise).argmax(-1).tolist()
+        assert screened_head.screened_argmax(head, screened_head.screen_of(head), x, None, noise) == whole
 
 
 @needs_kernel

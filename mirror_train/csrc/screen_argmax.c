@@ -17,6 +17,20 @@ static int64_t screen_first_max(const float *a, int64_t n) {
     return 0;
 }
 
+/* The same of a row's screened logits plus its noise z (a sample's Gumbel noise, screen_sample), and the largest
+   |z| (zmax) in the same pass */
+static int64_t screen_first_max_z(const float *a, const float *z, int64_t n, double *zmax) {
+    float m = -INFINITY, big = 0;
+    int64_t best = 0;
+    for (int64_t v = 0; v < n; v++) {
+        float t = a[v] + z[v];
+        if (t > m) m = t, best = v;
+        big = fabsf(z[v]) > big ? fabsf(z[v]) : big;
+    }
+    *zmax = big;
+    return best;
+}
+
 /* The screen's candidates: every output v < n that could be the largest of a row's exact logits.
    a: the screened logits (M rows, lda apart) of the float32 rows x (M x K); mode: how the screen read x: 0 as it is
    (widened bfloat16 weights), 1 rounded to bfloat16 (the dot product's screen), 2 in two int8 bytes a value
@@ -34,7 +48,7 @@ static int64_t screen_first_max(const float *a, int64_t n) {
    s ws sum_k (|h_k| + Q8_LO |l_k|) |wq_k| <= 3 |x^| |w^_v| (each |h| + Q8_LO |l| is at most 3 |h + Q8_LO l|: |l| / 254 <=
    1/2 <= |h| where h != 0): inside the g |x^| |w^_v| that alpha s_v already holds (g = (2K + 2) u). */
 static int screen_scales(const float *x, int64_t M, int64_t K, int mode, const double *c, const double *lower,
-                         float *alpha, float *beta, float *base) {
+                         const double *zmax, float *alpha, float *beta, float *base) {
     for (int64_t r = 0; r < M; r++) {
         double nx = 0, nl = 0, nd = 0;
         float s = mode == 2 ? q8_row_scale(x + r * K, K) : 1.0f, inv = 1.0f / s, h, lo;
@@ -47,7 +61,8 @@ static int screen_scales(const float *x, int64_t M, int64_t K, int mode, const d
             nx += v * v, nl += l * l, nd += (l - v) * (l - v);
         }
         double al = sqrt(nl) * (1 + 1e-6), be = (c[2] * sqrt(nx) + sqrt(nd)) * (1 + 1e-6);
-        double slack = 1e-5 * (fabs(lower[r]) + al * c[0] + be * c[1] + 1);
+        /* zmax: the largest |noise| of the row (0 for greedy): a_v + z_v and y_v + z_v are rounded at its scale */
+        double slack = 1e-5 * (fabs(lower[r]) + al * c[0] + be * c[1] + zmax[r] + 1);
         double b = lower[r] - c[3] - slack;
         if (!isfinite(al) || !isfinite(be) || !isfinite(b) || al > 1e30 || be > 1e30 || fabs(b) > 1e30) return -1;
         alpha[r] = (float)al, beta[r] = (float)be, base[r] = (float)b;
@@ -82,31 +97,33 @@ static inline float screen_exact(const float *xr, int64_t K, const void *w, int 
     return y[v % LANES];
 }
 
-/* Each row's greedy token through the screen: the first largest of the row's served logits over its own candidates
-   (screen_keeps, row by row), each by screen_exact from the served weight w (`layout`, above); a row's lower
-   bound is its served logit at its screened argmax. One call a step: the candidates' selection and their logits
-   once done in torch cost 8 rows ~0.6 ms of small operations (thirty-eighth session). ids: M. Returns the logits
-   computed, or -1 where a bound is not finite, a logit is NaN or they would pass max_candidates (the caller then
-   takes the whole head). */
-int64_t screen_argmax(const float *a, int64_t M, int64_t n, int64_t lda, const float *x, int64_t K, int mode,
-                      const double *c, const float *sv, const float *nv, const void *w, int layout,
-                      int64_t max_candidates, int64_t *ids) {
-    double lower[64];
+static int64_t screen_pick(const float *a, int64_t M, int64_t n, int64_t lda, const float *x, int64_t K, int mode,
+                           const double *c, const float *sv, const float *nv, const void *w, int layout,
+                           const float *z, int64_t ldz, int64_t max_candidates, int64_t *ids) {
+    double lower[64], zmax[64];
     float best[64], alpha[64], beta[64], base[64];
     if (M > 64 || layout < 0 || layout > 2 || mode < 0 || mode > 2) return -1;
     int64_t count = 0;
     for (int64_t r = 0; r < M; r++) {
-        int64_t v = screen_first_max(a + r * lda, n);
-        lower[r] = screen_exact(x + r * K, K, w, layout, v); /* NaN: screen_scales says not finite */
+        zmax[r] = 0;
+        if (z == NULL) {
+            int64_t v = screen_first_max(a + r * lda, n);
+            lower[r] = screen_exact(x + r * K, K, w, layout, v); /* NaN: screen_scales says not finite */
+        } else {
+            const float *zr = z + r * ldz;
+            int64_t v = screen_first_max_z(a + r * lda, zr, n, &zmax[r]);
+            lower[r] = screen_exact(x + r * K, K, w, layout, v) + zr[v]; /* the float32 sum every path rounds */
+        }
         count++;
     }
-    if (screen_scales(x, M, K, mode, c, lower, alpha, beta, base) < 0) return -1;
+    if (screen_scales(x, M, K, mode, c, lower, zmax, alpha, beta, base) < 0) return -1;
     for (int64_t r = 0; r < M; r++) ids[r] = -1, best[r] = -INFINITY;
 #define SCREEN_EXACT(v, r)                                                                   \
     {                                                                                        \
         if (++count > max_candidates) return -1;                                             \
         float y = screen_exact(x + (r) * K, K, w, layout, (v));                              \
         if (y != y) return -1;                                                               \
+        if (z != NULL) y = y + z[(r) * ldz + (v)];                                           \
         if (ids[r] < 0 || y > best[r]) best[r] = y, ids[r] = (v); /* v ascending: the first */ \
     }
     int64_t v = 0;
@@ -117,7 +134,9 @@ int64_t screen_argmax(const float *a, int64_t M, int64_t n, int64_t lda, const f
         for (int64_t r = 0; r < M; r++) {
             __m512 e = _mm512_fmadd_ps(_mm512_set1_ps(alpha[r]), s, _mm512_mul_ps(_mm512_set1_ps(beta[r]), nn));
             __m512 t = _mm512_sub_ps(_mm512_set1_ps(base[r]), e);
-            any |= hit[r] = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + r * lda + v), t, _CMP_GE_OQ);
+            __m512 av = _mm512_loadu_ps(a + r * lda + v);
+            if (z != NULL) av = _mm512_add_ps(av, _mm512_loadu_ps(z + r * ldz + v));
+            any |= hit[r] = _mm512_cmp_ps_mask(av, t, _CMP_GE_OQ);
         }
         for (; any; any &= any - 1) {
             int j = __builtin_ctz(any);
@@ -127,10 +146,33 @@ int64_t screen_argmax(const float *a, int64_t M, int64_t n, int64_t lda, const f
     }
 #endif
     for (; v < n; v++)
-        for (int64_t r = 0; r < M; r++)
-            if (screen_keeps(a[r * lda + v], alpha[r], beta[r], base[r], sv[v], nv[v])) SCREEN_EXACT(v, r)
+        for (int64_t r = 0; r < M; r++) {
+            float av = a[r * lda + v] + (z != NULL ? z[r * ldz + v] : 0.0f);
+            if (screen_keeps(av, alpha[r], beta[r], base[r], sv[v], nv[v])) SCREEN_EXACT(v, r)
+        }
 #undef SCREEN_EXACT
     for (int64_t r = 0; r < M; r++)
         if (ids[r] < 0) return -1;
     return count;
+}
+
+/* Each row's greedy token through the screen: the first largest of the row's served logits over its own candidates
+   (screen_keeps, row by row), each by screen_exact from the served weight w (`layout`, above); a row's lower
+   bound is its served logit at its screened argmax. One call a step: the candidates' selection and their logits
+   once done in torch cost 8 rows ~0.6 ms of small operations (thirty-eighth session). ids: M. Returns the logits
+   computed, or -1 where a bound is not finite, a logit is NaN or they would pass max_candidates (the caller then
+   takes the whole head). */
+int64_t screen_argmax(const float *a, int64_t M, int64_t n, int64_t lda, const float *x, int64_t K, int mode,
+                      const double *c, const float *sv, const float *nv, const void *w, int layout,
+                      int64_t max_candidates, int64_t *ids) {
+    return screen_pick(a, M, n, lda, x, K, mode, c, sv, nv, w, layout, NULL, 0, max_candidates, ids);
+}
+
+/* Each row's sampled token through the screen: the first largest of its served logits plus its noise z (M rows, ldz
+   apart; T times Gumbel noise: Gumbel-max, acceptance.py), the candidates those that could reach the largest sum.
+   The sums are float32's, as `(logits + z).argmax()` rounds them, so the token is the whole head's. */
+int64_t screen_sample(const float *a, int64_t M, int64_t n, int64_t lda, const float *x, int64_t K, int mode,
+                      const double *c, const float *sv, const float *nv, const void *w, int layout, const float *z,
+                      int64_t ldz, int64_t max_candidates, int64_t *ids) {
+    return screen_pick(a, M, n, lda, x, K, mode, c, sv, nv, w, layout, z, ldz, max_candidates, ids);
 }

@@ -20,20 +20,30 @@ import torch
 def target_tokens(logits: torch.Tensor, temperature: float, seed: int = 0, first: int = 0) -> list[int]:
     """The target's token at each of the window's positions: (T, V) logits → T ids (argmax, or samples at T > 0).
 
-    A sample's randomness is a function of (seed, its position in the output) alone (`first`: the position of the
-    window's first row): the same seed gives the same output whatever windows the drafts proposed, and positions
-    draw independently, so each committed token is still a sample of the target's distribution there."""
+    A sample is the Gumbel-max one, argmax(logits + T·G) with G the noise of (seed, its position in the output)
+    alone (`sample_noise`; `first`: the position of the window's first row): the same seed gives the same output
+    whatever windows the drafts proposed, and positions draw independently, so each committed token is still a
+    sample of the target's distribution there. An argmax needs no probabilities: the LM head's screen finds it
+    computing a few logits (`Target.greedy_scores` with the noise), the same id this function gives."""
     if temperature == 0:
         return logits.argmax(-1).tolist()
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    out = []
-    for i in range(probs.shape[0]):
-        generator = torch.Generator(device=probs.device).manual_seed(_POSITION_SEED * seed + first + i)
-        out.append(int(torch.multinomial(probs[i], 1, generator=generator)))
-    return out
+    noise = sample_noise(logits.shape[-1], temperature, seed, range(first, first + logits.shape[0]))
+    return (logits.float() + noise.to(logits.device)).argmax(-1).tolist()
+
+
+def sample_noise(vocab: int, temperature: float, seed: int, positions: Sequence[int]) -> torch.Tensor:
+    """(len(positions), vocab) float32: T times Gumbel noise, −T·log(−log u) for u uniform, each row a function of
+    (seed, its output position) alone, drawn on the CPU in float64 (the same bits on any device, and no float32
+    cut-off of the tail: u is never 0, never 1). argmax(logits + noise) is then a sample of softmax(logits / T)."""
+    rows = torch.empty(len(positions), vocab, dtype=torch.float64)
+    for i, position in enumerate(positions):
+        generator = torch.Generator().manual_seed(_POSITION_SEED * seed + position)
+        rows[i].uniform_(_U_LOW, 1.0, generator=generator)
+    return rows.log_().neg_().log_().mul_(-temperature).float()
 
 
 _POSITION_SEED = 1_000_003  # seeds of one sequence's positions never meet another seed's
+_U_LOW = 2.0**-80  # u's floor: its Gumbel noise is −log(80 ln 2) ≈ −4.0, as rare as any other (~2⁻⁸⁰)
 
 
 def accept(window: Sequence[int], tokens: Sequence[int]) -> tuple[int, int]:

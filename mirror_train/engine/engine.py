@@ -45,7 +45,7 @@ import torch
 
 from mirror_train import fastpath, static_step
 from mirror_train.devices import clock, pinned, resolve_device
-from mirror_train.engine.acceptance import accept_forked, target_tokens, truncate
+from mirror_train.engine.acceptance import accept_forked, sample_noise, target_tokens, truncate
 from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDraft
 from mirror_train.engine.config import COPY_METHODS, METHODS, EngineConfig, Generation, StepStats
 from mirror_train.engine.latency import predicted_step_ms
@@ -336,9 +336,9 @@ class MirrorEngine:
         if early:
             on_exit = lambda states: self._send(seq, self._start_message(seq, {"exit": states[0, :-1]}, reply))  # noqa: E731
         prompt = torch.tensor([seq.ids], device=target.device)
-        greedy = cfg.temperature == 0  # the tokens from the final states alone (`Target.greedy`), not all logits
         with fastpath.spread(spread, target.model) if spread is not None else contextlib.nullcontext():
-            hidden, last, final = target.prefill(prompt, seq.cache, self.exit_layer, on_exit, logits=not greedy)
+            # the tokens from the final states alone (`_tokens`), not all logits
+            hidden, last, final = target.prefill(prompt, seq.cache, self.exit_layer, on_exit, logits=False)
         if starts_blind and spread is not None:
             self._send(seq, self._start_message(seq, None, reply))
         if seq.head_cache is not None:
@@ -350,7 +350,7 @@ class MirrorEngine:
             seq.draft_free_s = time.monotonic() + self._draft_prefill_ms * len(seq.ids) / 1e3
         t0 = self._now()
         if last is None:
-            first = target.greedy(final[0, -1:])[0]
+            first = self._tokens(seq, final[0, -1:], [0])[0][0]
         else:
             first = target_tokens(last, cfg.temperature, cfg.seed, 0)[0]
         seq.new, seq.done = truncate([first], seq.stops, seq.max_new_tokens)
@@ -397,10 +397,12 @@ class MirrorEngine:
             branches = Branches(self._suffix_ms, candidates, self._wire(exit_states), time.monotonic())
             asked = self._send(seq, branches)
             t3 = self._now()
-        # (1, γ+1, V) or None at temperature 0 (the tokens from the final states: `Target.greedy`), (1, γ+1, H)
-        logits, final = target.suffix_states(state, logits=cfg.temperature > 0)
-        if logits is None:
-            y, scores, screened = target.greedy_scores(final[0])
+        # (1, γ+1, V) or None (the tokens from the final states: `_tokens`), (1, γ+1, H)
+        logits, final = target.suffix_states(state, logits=False)
+        if logits is None:  # each row's output position: the main chain's, then a forked window's second chain's
+            positions = [len(seq.new) + i for i in range(main)]
+            positions += [len(seq.new) + seq.fork + 1 + j for j in range(len(rows) - main)]
+            y, scores, screened = self._tokens(seq, final[0], positions)
         else:
             y = target_tokens(logits[0, :main], cfg.temperature, cfg.seed, len(seq.new))
             if forked is not None:  # the second chain's rows sample at their own output positions
@@ -479,6 +481,24 @@ class MirrorEngine:
         )
         seq.pending = correction
         return chunk, stats
+
+    def _tokens(
+        self, seq: _Sequence, final: torch.Tensor, positions: list[int]
+    ) -> tuple[list[int], torch.Tensor, bool]:
+        """The target's token at each row of its final states (R, H), the row's output position in `positions`: the
+        argmax, or at T > 0 the Gumbel-max sample of that position (`acceptance.target_tokens`' id), both through
+        the LM head's screen (`Target.greedy_scores`); with the logits it read and whether they are the screen's.
+        A position's noise is drawn once a sequence (~0.3 ms a row of the testbed's 49,152 ids): a window's rows past
+        the first rejected one are verified again at the same positions in the next step."""
+        cfg = self.config
+        if cfg.temperature == 0:
+            return self.target.greedy_scores(final)
+        for decided in [p for p in seq.noise if p < len(seq.new)]:
+            del seq.noise[decided]
+        missing = [p for p in positions if p not in seq.noise]
+        if missing:
+            seq.noise.update(zip(missing, sample_noise(self.target.vocab_size, cfg.temperature, cfg.seed, missing)))
+        return self.target.greedy_scores(final, torch.stack([seq.noise[p] for p in positions]))
 
     # --- the channel, faults, costs -------------------------------------------------------------------------------
     def _wire(self, states: dict[str, torch.Tensor] | None):
@@ -713,6 +733,7 @@ class _Sequence:
     untold: list = field(default_factory=list)  # verdicts the draft's process is yet to be told (_next_window)
     # a rate-driven ask whose window the next step verifies: (the rate it was asked at, its wait in ms)
     asked_for: tuple[float, float] | None = None
+    noise: dict = field(default_factory=dict)  # T > 0: output position → its sampling noise, while undecided (_tokens)
 
 
 def _window(reply) -> tuple[list[int], list[int], int]:
