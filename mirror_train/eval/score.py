@@ -123,12 +123,14 @@ def markdown(result: dict, run: dict | None = None) -> str:
     for m in methods:
         row = [(_fmt(result["methods"][m].get(g, {}).get("speedup"), ".2f") + "×") for g in groups]
         lines.append(f"| {m} | " + " | ".join(row) + " |")
+    settings = (run or {}).get("settings", {})
+    sampled = bool(settings.get("engine.temperature", settings.get("temperature")))  # ar's samples, same seed
     lines += [
         "",
         "## Overall",
         "",
         "| method | tokens/s | speed-up | mean accepted | reuse | online hit_κ | online Ω_κ | "
-        "greedy answers identical to ar |",
+        f"{'sampled (same seed)' if sampled else 'greedy'} answers identical to ar |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for m in methods:
