@@ -707,6 +707,12 @@ def test_a_worker_process_is_lossless_and_gone_when_the_with_block_raises(target
             del abandoned
             assert [s.committed for s in engine.generate(prompts[2], MAX_NEW, method="sd", stop=[]).steps] == sd
             assert max(sd) > 1  # drafted tokens were accepted, so a lagging window would have changed the steps
+            # sampling: each position's noise drawn while the worker answers (`_draw_ahead`), the samples ar's
+            engine.config.temperature, engine.config.seed = 0.9, 4
+            for prompt in prompts[:2]:
+                ar = engine.generate(prompt, MAX_NEW, method="ar", stop=[]).tokens
+                for method in ("sd", "mirror"):
+                    assert engine.generate(prompt, MAX_NEW, method=method, stop=[]).tokens == ar, method
             raise KeyError("raised in the block")
     assert_no_worker(pid)
 

@@ -490,15 +490,26 @@ class MirrorEngine:
         the LM head's screen (`Target.greedy_scores`); with the logits it read and whether they are the screen's.
         A position's noise is drawn once a sequence (~0.3 ms a row of the testbed's 49,152 ids): a window's rows past
         the first rejected one are verified again at the same positions in the next step."""
-        cfg = self.config
-        if cfg.temperature == 0:
+        if self.config.temperature == 0:
             return self.target.greedy_scores(final)
+        return self.target.greedy_scores(final, self._noise(seq, positions))
+
+    def _noise(self, seq: _Sequence, positions) -> torch.Tensor:
+        """The sampling noise of these output positions (len, V), each drawn once a sequence and kept until its
+        position is decided (`_tokens`)."""
+        cfg = self.config
         for decided in [p for p in seq.noise if p < len(seq.new)]:
             del seq.noise[decided]
         missing = [p for p in positions if p not in seq.noise]
         if missing:
             seq.noise.update(zip(missing, sample_noise(self.target.vocab_size, cfg.temperature, cfg.seed, missing)))
-        return self.target.greedy_scores(final, torch.stack([seq.noise[p] for p in positions]))
+        return torch.stack([seq.noise[p] for p in positions])
+
+    def _draw_ahead(self, seq: _Sequence) -> None:
+        """While the draft's process makes the next window (a verdict is out, its reply awaited): draw the noise of
+        the positions that window will verify, work the step would do anyway, off the target's critical path."""
+        if self.config.temperature > 0 and not seq.done:
+            self._noise(seq, range(len(seq.new), len(seq.new) + 1 + self.config.gamma))
 
     # --- the channel, faults, costs -------------------------------------------------------------------------------
     def _wire(self, states: dict[str, torch.Tensor] | None):
@@ -588,7 +599,10 @@ class MirrorEngine:
         prefilled the prompt (`_Sequence.draft_free_s`: on Spec-Bench's long prompts the first ask had queued 100+
         ms behind that)."""
         if seq.copier is None:
-            reply = self._receive(seq) if self._send(seq, verdict) else None
+            sent = self._send(seq, verdict)
+            if sent and seq.method not in COPY_METHODS:  # a draft's process answers (not an in-process copy server)
+                self._draw_ahead(seq)
+            reply = self._receive(seq) if sent else None
             seq.window, seq.alt, seq.fork = _window(reply)
             seq.served = "draft"
             # pld and pld_store ask no draft's process: their copy server is in-process
@@ -613,6 +627,7 @@ class MirrorEngine:
                 if ask or sum(len(v.committed) for v in seq.untold) >= CATCH_UP:
                     told, seq.untold = merge_verdicts(seq.untold), []
             if told is not None and self._send(seq, told) and ask:
+                self._draw_ahead(seq)
                 reply = self._note(self._receive(seq))
                 if reply is not None and driven:  # priced when the step that verifies its window is done
                     seq.asked_for = (model_rate, (self._now() - start) * 1e3)
