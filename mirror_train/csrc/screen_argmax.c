@@ -97,6 +97,7 @@ static inline float screen_exact(const float *xr, int64_t K, const void *w, int 
     return y[v % LANES];
 }
 
+/* screen_argmax's and screen_sample's selection (below): z NULL for greedy tokens, else each row's noise */
 static int64_t screen_pick(const float *a, int64_t M, int64_t n, int64_t lda, const float *x, int64_t K, int mode,
                            const double *c, const float *sv, const float *nv, const void *w, int layout,
                            const float *z, int64_t ldz, int64_t max_candidates, int64_t *ids) {
