@@ -356,15 +356,15 @@ def main() -> None:
             )
         if args.perfect_head:
             print("\nWith a perfect proxy head (c* always its first candidate; decoding ratios, each round's too):\n")
-            print("| acceptance | mirror/sd | perfect head: mirror/sd | hit | perfect head: hit |")
-            print("|---|---|---|---|---|")
+            print("| acceptance | mirror/sd | perfect head: mirror/sd | hit | perfect head: hit | lossless |")
+            print("|---|---|---|---|---|---|")
             for row in table:
                 m, p, s = (row["methods"][k] for k in ("mirror", PERFECT, "sd"))
                 print(
                     f"| {row['acceptance']:.1f} | "
                     f"{m['decode_tokens_per_s'] / s['decode_tokens_per_s']:.2f}×{spread(row['rounds'], 'mirror/sd')} | "
                     f"{p['decode_tokens_per_s'] / s['decode_tokens_per_s']:.2f}×"
-                    f"{spread(row['rounds'], f'{PERFECT}/sd')} | {fmt(m['hit'])} | {fmt(p['hit'])} |"
+                    f"{spread(row['rounds'], f'{PERFECT}/sd')} | {fmt(m['hit'])} | {fmt(p['hit'])} | {p['lossless']} |"
                 )
         print_steps(table)
         print_waits(table)
