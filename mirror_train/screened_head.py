@@ -234,8 +234,14 @@ def argmax_and_scores(
         if ids is not None:
             return ids, scores[:, : head.weight.shape[0]], True
     logits = head(rows)
+    return whole_argmax(logits, noise), logits, False
+
+
+def whole_argmax(logits: torch.Tensor, noise: torch.Tensor | None = None) -> list[int]:
+    """Each row's first largest logit, or logit plus its noise (a Gumbel-max sample) summed in float32, as the
+    screen sums them: the id the screen's path gives, computed from all of a row's logits."""
     picked = logits if noise is None else logits.float() + noise.to(logits.device)
-    return picked.argmax(-1).tolist(), logits, False
+    return picked.argmax(-1).tolist()
 
 
 def logits_at(head: nn.Module, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

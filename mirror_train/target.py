@@ -379,8 +379,7 @@ class Target:
         `acceptance.sample_noise`), through the screen too: the id `target_tokens` gives on the whole logits."""
         if self._softcap:  # its tanh can tie logits the screen tells apart
             logits = self.logits(normed_hidden).reshape(-1, self.vocab_size)
-            picked = logits if noise is None else logits.float() + noise.to(logits.device)
-            return picked.argmax(-1).tolist(), logits, False
+            return screened_head.whole_argmax(logits, noise), logits, False
         return screened_head.argmax_and_scores(self.lm_head, normed_hidden, noise)
 
     @torch.inference_mode()

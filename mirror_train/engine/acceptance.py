@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from mirror_train.screened_head import whole_argmax
+
 
 def target_tokens(logits: torch.Tensor, temperature: float, seed: int = 0, first: int = 0) -> list[int]:
     """The target's token at each of the window's positions: (T, V) logits → T ids (argmax, or samples at T > 0).
@@ -28,7 +30,7 @@ def target_tokens(logits: torch.Tensor, temperature: float, seed: int = 0, first
     if temperature == 0:
         return logits.argmax(-1).tolist()
     noise = sample_noise(logits.shape[-1], temperature, seed, range(first, first + logits.shape[0]))
-    return (logits.float() + noise.to(logits.device)).argmax(-1).tolist()
+    return whole_argmax(logits, noise)
 
 
 def sample_noise(vocab: int, temperature: float, seed: int, positions: Sequence[int]) -> torch.Tensor:
