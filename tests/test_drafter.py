@@ -305,6 +305,37 @@ def test_sampled_rollout_is_reproducible_and_reports_its_logprobs(llama):
     assert all(len(r.tokens) == len(r.logprobs) == 4 and all(lp <= 0 for lp in r.logprobs) for r in runs[0])
 
 
+@pytest.mark.parametrize("use_streams", [True, False])
+@pytest.mark.parametrize("draft_vocab", [None, list(range(64, 128))])
+def test_a_coupled_rollout_adds_the_noise_of_each_tokens_own_sequence_index(llama, use_streams, draft_vocab):
+    """At T > 0 the draft adds the target's noise of a token's position to its logits (`coupled_choice`): a noise
+    that puts one id far ahead at each sequence index must show up as that id at exactly that index, on every
+    branch (ragged roots: the same depth is a different index) and every stream's token; zero noise is greedy."""
+    draft = drafter(llama, draft_vocab=draft_vocab)
+    context = tokens(5)
+    roots = [[1], [2, 3], [4, 5, 6]]
+    ids = draft_vocab or list(range(VOCAB))
+
+    def planted(indices):  # a large bonus on one draft-reachable id per index
+        rows = torch.zeros(len(indices), VOCAB)
+        for n, i in enumerate(indices):
+            rows[n, ids[(7 * i) % len(ids)]] = 1e4
+        return rows
+
+    out = rollout(draft, prefill(draft, context), roots, gamma=5, use_streams=use_streams, noise=planted)
+    for root, r in zip(roots, out):
+        first = context.shape[1] + len(root)  # the sequence index of the branch's first drafted token
+        assert r.tokens == [ids[(7 * (first + j)) % len(ids)] for j in range(5)]
+        assert r.num_forwards == math.ceil(5 / (1 + 2 * use_streams))
+
+    def zeros(indices):
+        return torch.zeros(len(indices), VOCAB)
+
+    plain = rollout(draft, prefill(draft, context), roots, gamma=5, use_streams=use_streams)
+    quiet = rollout(draft, prefill(draft, context), roots, gamma=5, use_streams=use_streams, noise=zeros)
+    assert [r.tokens for r in quiet] == [r.tokens for r in plain]
+
+
 # --- the KV cache ----------------------------------------------------------------------------------------------------
 def test_keep_cache_path_keeps_exactly_the_chosen_branch(llama):
     draft = drafter(llama)

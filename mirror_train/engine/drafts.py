@@ -2,8 +2,11 @@
 
 Both keep the committed context in a cache of their own and answer the same three calls:
     reset(prompt, reference, features)      a new sequence: prefill all of the prompt but its last token
-    rollout(spine, branches, γ, features)   γ tokens per branch, a `Rollout` each (see
-                                            `MirrorDrafterForCausalLM.rollout_tree`)
+    rollout(spine, branches, γ, features, noise)
+                                            γ tokens per branch, a `Rollout` each (see
+                                            `MirrorDrafterForCausalLM.rollout_tree`); noise: the target's
+                                            sampling noise by sequence index, to couple the draft's tokens to
+                                            (rollout.coupled_choice; None: greedy)
     keep(n)                                 commit the first n spine nodes of the last rollout, drop every other node
     fed()                                   how many nodes the last rollout fed (what keep can commit)
     busy(ms, branches, γ)                   the draft's usual concurrent work for ms, on a dummy context (the
@@ -48,7 +51,9 @@ class ModelDraft:
             self.model(ids, cache=self.cache, num_streams=0, logits_index=last, features=states)  # K/V only
         self.committed = self.cache.get_seq_length()
 
-    def rollout(self, spine: Sequence[int], branches: Sequence[tuple[int, int | None]], gamma: int, features=None):
+    def rollout(
+        self, spine: Sequence[int], branches: Sequence[tuple[int, int | None]], gamma: int, features=None, noise=None
+    ):
         self.committed = self.cache.get_seq_length()  # every rollout follows a `keep` (or `reset`)
         results = rollout_tree(
             self.model,
@@ -58,6 +63,7 @@ class ModelDraft:
             gamma,
             use_streams=self.use_streams,
             features=self._features(features),
+            noise=noise,
         )
         return results
 
@@ -146,8 +152,10 @@ class SyntheticDraft:
         self.context = list(prompt[:-1])
         self.spine = []
 
-    def rollout(self, spine: Sequence[int], branches: Sequence[tuple[int, int | None]], gamma: int, features=None):
-        self.rollouts += 1
+    def rollout(
+        self, spine: Sequence[int], branches: Sequence[tuple[int, int | None]], gamma: int, features=None, noise=None
+    ):
+        self.rollouts += 1  # its proposals are scripted: the target's noise (noise) changes none of them
         if self.cfg.fail_after is not None and self.rollouts > self.cfg.fail_after:
             raise RuntimeError(f"synthetic draft: injected fault after {self.cfg.fail_after} rollouts")
         passes = math.ceil(gamma / (1 + self.num_streams))

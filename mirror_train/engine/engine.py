@@ -539,6 +539,9 @@ class MirrorEngine:
             self.forks,
             contention,
             reply=reply,
+            temperature=self.config.temperature,
+            seed=self.config.seed,
+            vocab_size=self.target.vocab_size,
         )
 
     def _send(self, seq: _Sequence, msg) -> bool:

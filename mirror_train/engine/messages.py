@@ -52,6 +52,12 @@ class Start:
     # False: prefill, answer nothing (the engine's own copies serve the first window: EngineConfig.copies="target");
     # the target does not wait for the draft's prefill of a long prompt
     reply: bool = True
+    # The target's sampling (EngineConfig.temperature, seed) and vocabulary: at T > 0 the draft draws the target's
+    # noise of each position (acceptance.sample_noise, a function of the seed and the position alone) and couples
+    # its tokens to it (rollout.coupled_choice)
+    temperature: float = 0.0
+    seed: int = 0
+    vocab_size: int = 0
 
 
 @dataclass

@@ -9,7 +9,7 @@ what training-time test trains (drafter_training.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -123,13 +123,17 @@ def rollout_nodes(
     generator: torch.Generator | None = None,
     use_streams: bool = True,
     features: dict[str, torch.Tensor] | None = None,
+    noise: Callable[[Sequence[int]], torch.Tensor] | None = None,
 ) -> list[Rollout]:
     """The rollout loop of `rollout` and `rollout_tree` (their keyword options are this function's): the first
     pass feeds the shared nodes (parents, tokens); then each pass appends every branch's newest tokens after the
     last node of its chain, each reading in the own slot the state that predicted it (the main stream's for the
     next token, stream j's for the token j further on).
 
-    The LM head runs only on each branch's last node: the other nodes' logits are never read.
+    noise: the target's sampling noise by sequence index (`coupled_choice`): each token is then
+    argmax(logits + the noise row of its index), the index counted from the start of the cached context (the cache's
+    length plus the nodes before it on its chain). The LM head runs only on each branch's last node: the other nodes'
+    logits are never read.
     """
     if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
         raise MirrorTrainError(f"gamma must be an int ≥ 1, got {gamma!r}")
@@ -158,7 +162,11 @@ def rollout_nodes(
         if s:
             logits = torch.cat([logits, out.stream_logits[0]], dim=1)  # (branches, 1 + s, V_draft)
             states = torch.cat([states, out.stream_hidden[0]], dim=1)  # (branches, 1 + s, H)
-        chosen, logp = _choose(logits.float(), temperature, generator)  # (branches, 1 + s) each
+        if noise is None:
+            chosen, logp = _choose(logits.float(), temperature, generator)  # (branches, 1 + s) each
+        else:  # token j of a branch follows its chain's nodes and j more: its index in the sequence
+            index = [[committed + len(chain) + j for j in range(1 + s)] for chain in chains]
+            chosen, logp = coupled_choice(logits.float(), index, noise, draft.d2t)
         chosen = draft.draft_to_target(chosen).tolist()
         new_tokens, first_new, fed = [], len(parents), []
         for b, chain in enumerate(chains):
@@ -215,6 +223,30 @@ def keep_cache_path(cache: DynamicCache, committed_len: int, node_indices: Seque
         index = torch.cat([torch.arange(committed_len), nodes]).to(layer.keys.device)
         layer.keys = layer.keys.index_select(-2, index)  # (B, nkv, committed + k, d)
         layer.values = layer.values.index_select(-2, index)
+
+
+def coupled_choice(
+    logits: torch.Tensor,
+    index: Sequence[Sequence[int]],
+    noise: Callable[[Sequence[int]], torch.Tensor],
+    d2t: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's token for each row of logits (branches, k, V_draft) coupled to the target's sample at the same
+    sequence index: argmax(logits + noise), the noise the target adds to its own logits there (Gumbel-max,
+    `acceptance.sample_noise`, scaled by T), read at the target ids the draft's ids stand for (`d2t`; None: the same
+    ids). Where the two distributions are close their samples then agree far more often than a greedy draft's token
+    agrees with the target's sample, and the target's tokens, and so the output, do not depend on the draft at all
+    (acceptance.py). Returns the ids and their log-probs at temperature 1 (as a greedy draft reports them)."""
+    flat = [i for row in index for i in row]
+    unique = sorted(set(flat))
+    rows = noise(unique).to(logits.device)  # (unique indices, V_target)
+    if d2t is not None:
+        rows = rows[:, d2t.to(logits.device)]
+    where = {i: n for n, i in enumerate(unique)}
+    picked = rows[torch.tensor([where[i] for i in flat], device=logits.device)].view(logits.shape)
+    chosen = (logits + picked).argmax(-1)
+    logp = F.log_softmax(logits, dim=-1).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+    return chosen, logp
 
 
 def _choose(

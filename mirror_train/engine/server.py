@@ -33,6 +33,7 @@ from collections import deque
 import torch
 
 from mirror_train.datastore import Datastore
+from mirror_train.engine.acceptance import sample_noise
 from mirror_train.engine.branches import plan_rollout, rank_branches, rollout_line, with_lookup
 from mirror_train.engine.messages import Branches, Load, Ping, Pong, Start, Verdict, Window
 from mirror_train.engine.ngram import NgramIndex
@@ -155,6 +156,10 @@ class DraftServer:
         self.contention = 0.0
         self.miss_ms: float | None = None
         self.ahead: Rollout | None = None  # the draft's own continuation past the window (look-ahead), this step
+        # The target's sampling (Start): at T > 0 the draft's tokens are coupled to the target's noise of their
+        # positions (`_noise`), each row drawn once a sequence, by output position
+        self.temperature, self.seed, self.vocab_size, self.prompt_len = 0.0, 0, 0, 0
+        self.noise_rows: dict[int, torch.Tensor] = {}
 
     @property
     def conditioned(self) -> bool:
@@ -187,6 +192,8 @@ class DraftServer:
         self.contention = float(msg.contention or 0.0)
         self.forks, self.alt, self.alt_keys, self.fork = bool(msg.forks), [], [], 0
         self.tokens = list(msg.prompt)
+        self.temperature, self.seed, self.vocab_size = float(msg.temperature), int(msg.seed), int(msg.vocab_size)
+        self.prompt_len, self.noise_rows = len(self.tokens), {}
         self.states = {slot: StateTable(self.device) for slot in self.target_slots}
         self.window_states = None
         self._append_states(msg.states, len(self.tokens) - 1, "the prompt")
@@ -270,7 +277,7 @@ class DraftServer:
             blocks += [self._root(r) for r, _, _ in chosen]
             features = join(blocks)
         start = time.perf_counter()
-        rollouts = self.backend.rollout(spine + ahead, branches, depth, features) if branches else []
+        rollouts = self.backend.rollout(spine + ahead, branches, depth, features, self._noise()) if branches else []
         self.branch_ms = (time.perf_counter() - start) * 1000
         if chosen:
             self.samples.append((len(branches), self.branch_ms * self.gamma / depth))  # in whole-window rollouts
@@ -305,6 +312,8 @@ class DraftServer:
             self.window_states = None
         committed = list(msg.committed) if foreign else (self.alt if alt_won else self.window)[:taken] + [correction]
         self.tokens += committed
+        first = len(self.tokens) - self.prompt_len  # the next token's output position: no draft token is before it
+        self.noise_rows = {p: row for p, row in self.noise_rows.items() if p >= first}
         for index in self._indexes():
             index.extend(committed)
         if msg.costs:
@@ -373,6 +382,25 @@ class DraftServer:
             self.root_guesses[r] = (copy[0], key)
             out.append((copy[0], self.roots_rate.predict([key])[0]))
         return out
+
+    def _noise(self):
+        """At T > 0, the target's noise by sequence index (what `rollout.coupled_choice` reads): the row of output
+        position index − prompt length, `acceptance.sample_noise`'s, the one the target adds there; None at T = 0
+        (greedy drafting). Why: a draft token drawn with the target's own noise is the target's sample wherever the
+        two distributions nearly agree, where a greedy token matches it only as often as the target samples its
+        argmax (docs/engine.md, forty-sixth session)."""
+        if self.temperature <= 0 or self.vocab_size <= 0:
+            return None
+
+        def rows(indices):
+            positions = [i - self.prompt_len for i in indices]
+            missing = [p for p in positions if p not in self.noise_rows]
+            if missing:
+                drawn = sample_noise(self.vocab_size, self.temperature, self.seed, missing)
+                self.noise_rows.update(zip(missing, drawn))
+            return torch.stack([self.noise_rows[p] for p in positions])
+
+        return rows
 
     def _end_branches(self, accepted: int) -> int | None:
         """Forget this step's branch rollout; the nodes of it to commit (None: none was rolled out): the pending
@@ -579,7 +607,7 @@ class DraftServer:
         if self.conditioned:
             tail_block = self._drafted(len(tail.tokens), tail.pairs)
             features = join([self._committed(self.cached, len(committed)), tail_block])
-        return self.backend.rollout(spine, [(len(spine) - 1, None)], n, features)[0]
+        return self.backend.rollout(spine, [(len(spine) - 1, None)], n, features, self._noise())[0]
 
     def _then_look_ahead(self, keep: int, prefix_ms: float | None):
         """The work after a window is sent: prune the cache to the committed path, then (Mirror-SD) look ahead."""
