@@ -1327,3 +1327,24 @@ def test_the_draft_is_told_of_the_engines_own_windows_in_batches(target, prompts
             told = [m for m in sent if isinstance(m, Verdict)]
             assert server.tokens == (prompt + ref)[: len(server.tokens)]  # what it was told is the committed text
     assert 0 < len(told) < steps and any(m.steps > 1 for m in told) and sum(m.steps for m in told) <= steps
+
+
+def test_a_draft_that_is_the_target_has_every_sampled_token_kept(peaked_target):
+    """At T > 0 the draft draws its tokens with the target's own noise of each position (rollout.coupled_choice): a
+    draft whose main stream is the target itself then proposes exactly the target's samples, so every drafted token
+    is kept, serial or branch-complete; a draft reading the wrong position's noise would be kept about as often as
+    two independent samples agree."""
+    draft = MirrorDrafterForCausalLM.from_target(peaked_target.model, 4, 2, 1)
+    prompt = [3, 1, 4, 1, 5]
+    cfg = EngineConfig(
+        kappa=4, gamma=3, branch_budget=4, temperature=1.0, seed=7, placement="local", adaptive_window=False
+    )
+    cfg.use_streams, cfg.ngram_tokens, cfg.datastore = False, 0, "off"
+    with MirrorEngine(peaked_target, None, draft, cfg) as engine:
+        ar = engine.generate(prompt, 24, method="ar", stop=[]).tokens
+        for method in ("sd", "mirror"):
+            g = engine.generate(prompt, 24, method=method, stop=[])
+            assert g.tokens == ar, method
+            drafted = [s for s in g.steps if s.window > 0]
+            kept = [(s.accepted, s.window) for s in drafted]
+            assert kept and all(a == w for a, w in kept), (method, kept)
