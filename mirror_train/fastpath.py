@@ -276,6 +276,35 @@ def _crossover(linear: PackedLinear, rows=(1, 2, 4, 8, 16)) -> float:
 def _routes(
     linear: RoutedLinear, paths: Sequence[str], activations: torch.dtype | None = None, cold: bool = True
 ) -> tuple[str, ...]:
+    """The fastest of `paths` on `linear` at each of ROUTE_ROWS rows (`_time_routes`), measured once per machine
+    for its shape, dtypes and paths and kept beside the kernel library (`kernels.per_machine`): timing a draft's and a
+    proxy head's ~9 shapes took ~7.6 s of every draft process's start (forty-sixth session, AMX Xeon), and every
+    process then serves the same routes. Routes only choose among paths that compute the draft's proposals (it
+    only proposes), so a kept choice can cost speed, never the output."""
+    weight = linear.weight
+    act = activations or weight.dtype
+    panels = kernels.panels_of(linear) is not None
+    name = "routes_{}x{}_{}_{}_{}_{}_{}_{}".format(
+        *weight.shape,
+        str(weight.dtype).removeprefix("torch."),
+        str(act).removeprefix("torch."),
+        "bias" if linear.bias is not None else "nobias",
+        "+".join(paths),
+        "cold" if cold else "hot",
+        "panels" if panels else "rows",
+    )
+    kept = kernels.per_machine(
+        name,
+        lambda: {"routes": list(_time_routes(linear, paths, activations, cold))},
+        {"routes"},
+        lambda v: len(v["routes"]) == len(ROUTE_ROWS) and all(r in paths for r in v["routes"]),
+    )
+    return tuple(kept["routes"])
+
+
+def _time_routes(
+    linear: RoutedLinear, paths: Sequence[str], activations: torch.dtype | None = None, cold: bool = True
+) -> tuple[str, ...]:
     """The fastest of `paths` on `linear` at each of ROUTE_ROWS rows (medians of a few calls each) on inputs of
     the `activations` dtype (default: the weight's), each call on the next of its copies of the weight (`cold`:
     ROUTE_COLD_BYTES of them, so every call reads its weight from memory as served; else the weight itself, hot in
@@ -388,15 +417,30 @@ C_PREFILL_ROWS = (kernels.MAX_ROWS, 32, 16, 8)  # the prompt lengths `c_prefill_
 def c_prefill_rows(model: nn.Module, layout: tuple[set[int] | None, int], repeats: int = 3) -> int:
     """The most rows (of C_PREFILL_ROWS, else 0) up to which `model`'s prefill through its C layers (one thread,
     fused_layer.py) measured no slower than through its modules spread over `layout` (the threaded GEMM), on random
-    ids, the two timed in turn; once per model and thread count in a process (the engine asks at its start, before
-    any prefill, so every method prefills alike: ~2 s for the testbed). On the two-vCPU AMX Xeon C took 81 ms against
-    102 ms at 32 rows and tied at 64 (docs/engine.md, forty-second session); with more cores the GEMM should win
-    sooner. A model without C layers: MAX_ROWS (nothing to choose)."""
+    ids, the two timed in turn; once per machine for the model's shape and thread count (the engine asks at its
+    start, before any prefill, so every method prefills alike; timing it took ~2.5 s for the testbed). On the
+    two-vCPU AMX Xeon C took 81 ms against 102 ms at 32 rows and tied at 64 (docs/engine.md, forty-second
+    session); with more cores the GEMM should win sooner. A model without C layers: MAX_ROWS (nothing to choose)."""
     known = _c_prefill.setdefault(model, {})
     if layout[1] in known:
         return known[layout[1]]
     if not any(isinstance(layer, fused_layer.FusedLayer) for layer in fused_layer.decoder_layers(model)):
         return kernels.MAX_ROWS
+    # Kept per machine for the model's shape and the threads (`kernels.per_machine`: ~2.5 s of every engine's
+    # start on the testbed, forty-sixth session): every method and now every process prefills through the same choice
+    name = f"c_prefill_{fused_layer.shape_key(model)}_{layout[1]}threads"
+    kept = kernels.per_machine(
+        name,
+        lambda: {"rows": _time_c_prefill_rows(model, layout, repeats)},
+        {"rows"},
+        lambda v: v["rows"] in (0, *C_PREFILL_ROWS),
+    )
+    known[layout[1]] = kept["rows"]
+    return kept["rows"]
+
+
+def _time_c_prefill_rows(model: nn.Module, layout: tuple[set[int] | None, int], repeats: int) -> int:
+    """`c_prefill_rows` measured: the prefill through the C layers and through the modules, timed in turn."""
     from transformers import DynamicCache
 
     vocab = model.config.vocab_size
@@ -417,7 +461,6 @@ def c_prefill_rows(model: nn.Module, layout: tuple[set[int] | None, int], repeat
             if times[kernels.MAX_ROWS] <= times[0]:
                 cap = rows
                 break
-    known[layout[1]] = cap
     return cap
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 from contextlib import contextmanager
 
 import torch
@@ -97,11 +98,36 @@ def cap_rows(model: nn.Module, context: int = 64, repeats: int = 5) -> int:
     layers = [layer for layer in decoder_layers(model) if isinstance(layer, FusedLayer)]
     if not layers or not hasattr(model, "tree_forward") or not hasattr(model, "new_cache"):
         return kernels.MAX_ROWS
-    from mirror_train.timing import median_ms
 
     def set_cap(rows: int) -> None:
         for layer in layers:
             layer.max_rows = rows
+
+    # kept per machine for the model's shape (`kernels.per_machine`: ~2 s of every draft process's start, forty-sixth
+    # session); a draft only proposes, so a kept cap can cost speed, never the output
+    kept = kernels.per_machine(
+        f"cap_rows_{shape_key(model)}_{context}",
+        lambda: {"rows": _time_cap_rows(model, layers, set_cap, context, repeats)},
+        {"rows"},
+        lambda v: v["rows"] in (0, *CAP_ROWS),
+    )
+    set_cap(kept["rows"])
+    return kept["rows"]
+
+
+def shape_key(model: nn.Module) -> str:
+    """A short key of what a model's timings depend on: its architecture's sizes and its weights' dtype (not its
+    values or its name), for choices kept per machine."""
+    c = model.config
+    fields = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
+    fields += ("num_key_value_heads", "vocab_size", "draft_vocab_size", "num_streams", "num_stream_layers")
+    shape = [getattr(c, f, None) for f in fields] + [str(next(model.parameters()).dtype)]
+    return hashlib.sha256(repr(shape).encode()).hexdigest()[:12]
+
+
+def _time_cap_rows(model: nn.Module, layers, set_cap, context: int, repeats: int) -> int:
+    """`cap_rows` measured: chains of CAP_ROWS new tokens through the C layers and through the modules, in turn."""
+    from mirror_train.timing import median_ms
 
     cache = model.new_cache()
     cap = 0
@@ -122,7 +148,6 @@ def cap_rows(model: nn.Module, context: int = 64, repeats: int = 5) -> int:
             if min(times[kernels.MAX_ROWS]) > 1.05 * min(times[0]):
                 break
             cap = n
-    set_cap(cap)
     return cap
 
 

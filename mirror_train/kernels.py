@@ -475,15 +475,16 @@ def _machine_times() -> dict[str, float]:
     """`layout_times`, measured once per machine and kept beside the library: every process here (a Spec-Bench run
     resumed later, the engine's draft process) then serves the same function, which a measurement's noise could
     otherwise flip."""
-    return _per_machine("layout", layout_times, set(MEASURED))
+    return per_machine("layout", layout_times, set(MEASURED))
 
 
-def _per_machine(name: str, measure, keys: set[str]) -> dict:
-    """`measure()` (a dict with these keys), measured once per machine and kept beside the library as JSON."""
+def per_machine(name: str, measure, keys: set[str], valid=None) -> dict:
+    """`measure()` (a dict with these keys), measured once per machine and kept beside the library as JSON; a kept
+    file that is corrupt, has other keys or fails `valid(values)` is measured again."""
     path = _cache_dir() / f"{name}_{_build_key()}.json"
     try:
         values = json.loads(path.read_text())
-        if set(values) != keys:
+        if set(values) != keys or (valid is not None and not valid(values)):
             raise ValueError(path)
     except (OSError, ValueError):
         values = measure()
@@ -518,7 +519,7 @@ def tune_prefetch() -> dict[str, int]:
     if name == "default":
         return {t: panel_prefetch(t) for t in PREFETCH_TYPES}
     if name == "auto":
-        masks = _per_machine("prefetch", prefetch_times, set(PREFETCH_TYPES))
+        masks = per_machine("prefetch", prefetch_times, set(PREFETCH_TYPES))
     else:
         try:
             mask = int(name, 0)

@@ -18,7 +18,7 @@ exactly, whatever the screen rounds: what it changes is the time. Four screens (
 - `bf16_dot` (AVX512-BF16): the weight rounded to bfloat16 (half the bytes) on the dot product of pairs, the inputs
   rounded to bfloat16 too;
 - `bf16`: the bfloat16 weight widened to float32, the inputs as they are (any CPU the kernels build on).
-`build` takes the fastest this CPU builds, measured once a process.
+`build` takes the fastest this CPU builds, measured once per machine.
 
 The bound. For a row x and an id v, with x̂, ŵ_v the screen's values (subnormals flushed where the bfloat16
 instruction reads them so; ŵ_v = the row's scale × its int8 values for `int8`) and u = 2⁻²⁴, the screen's sum
@@ -63,8 +63,8 @@ ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # 64: kernels.MAX_ROWS, past which th
 MAX_CANDIDATES = 4096
 _U = 2.0**-24
 _TINY = 2.0**-126  # float32's smallest normal: what the dot product flushes to zero
-_MEASURED: dict[tuple, tuple[bool, ...]] = {}  # `_measure`'s verdicts by ((V, K, panels, layout), kind), per process
-_FASTEST: dict[tuple, str] = {}  # `_fastest`'s choice by ((V, K, panels, layout), the kinds built), per process
+_MEASURED: dict[tuple, tuple[bool, ...]] = {}  # `_measure`'s verdicts by ((V, K, panels, layout), kind) (per machine)
+_FASTEST: dict[tuple, str] = {}  # `_fastest`'s choice by ((V, K, panels, layout), the kinds built) (per machine)
 
 
 KINDS = ("int8_amx", "int8", "bf16_dot", "bf16")  # what the screen reads (module docstring); `build` takes the fastest
@@ -128,7 +128,7 @@ def kinds_built() -> list[str]:
 
 def build(head: nn.Module, measure: bool = True, kind: str = "auto") -> ScreenedHead | None:
     """The screen of `head` (None where it does not apply), kept on the module (`screen_of` finds it). kind: one of
-    KINDS, or auto: the fastest of `kinds_built` (measured once a process per head shape, unless `measure` is False:
+    KINDS, or auto: the fastest of `kinds_built` (measured once per machine per head shape, unless `measure` is False:
     then the first). Its use by rows is measured here against the whole head unless `measure` is False (then used at
     every row count ≤ 64). Why measure rather than rank: on the AMX Xeon the widened bfloat16 screen beat the
     bfloat16 dot product at 1–4 rows (`scripts/bench_screen.py`, forty-third session), on Zen 4 the other way round."""
@@ -140,21 +140,35 @@ def build(head: nn.Module, measure: bool = True, kind: str = "auto") -> Screened
         raise ValueError(f"screen kind {kind!r} is not built here; built: {built}")
     w = head.weight.detach()
     key = (*w.shape, kernels.panels_of(head) is not None, kernels.layout())
-    screen = None
+    # The screens' times depend on the head's shape and this machine only: measured once per machine and kept beside
+    # the kernel library (`kernels.per_machine`), as the layout is: every process after the first (the engine's, a
+    # Spec-Bench run's) starts without the ~1-2 s of timing, and all serve the same choice
+    name = "screen_{}x{}_{}_{}".format(*key[:2], "panels" if key[2] else "rows", key[3])
+    made: dict[str, ScreenedHead] = {}
     if kind == "auto":
         kind = built[0]
         if measure and len(built) > 1:
-            choice = (key, *built)  # the screens' time depends on the head's shape and this machine only
+            choice = (key, *built)
             if choice not in _FASTEST:
-                made = {k: _made(head, k) for k in built}
-                _FASTEST[choice] = _fastest(head, list(made.values()))
-                screen = made[_FASTEST[choice]]  # the one timed: not made twice
+
+                def fastest() -> dict:
+                    made.update({k: _made(head, k) for k in built})
+                    return {"kind": _fastest(head, list(made.values()))}
+
+                kept = kernels.per_machine(f"{name}_{'-'.join(built)}", fastest, {"kind"}, lambda v: v["kind"] in built)
+                _FASTEST[choice] = kept["kind"]
             kind = _FASTEST[choice]
-    screen = screen or _made(head, kind)
+    screen = made.get(kind) or _made(head, kind)  # the one timed, if it was: not made twice
     head.__dict__["_screen"] = screen
     if measure:
         if (key, kind) not in _MEASURED:
-            _MEASURED[(key, kind)] = _measure(head, screen)
+            kept = kernels.per_machine(
+                f"{name}_{kind}_rows",
+                lambda: {"rows": list(_measure(head, screen))},
+                {"rows"},
+                lambda v: len(v["rows"]) == len(ROWS) and all(isinstance(r, bool) for r in v["rows"]),
+            )
+            _MEASURED[(key, kind)] = tuple(kept["rows"])
         screen.rows = _MEASURED[(key, kind)]
     return screen
 

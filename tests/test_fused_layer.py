@@ -226,10 +226,12 @@ def test_a_targets_layers_as_one_stack_call_are_its_layers_called_one_by_one(mon
 
 
 @needs_kernel
-def test_a_prefill_runs_in_c_up_to_the_rows_that_measured_faster_than_the_spread_modules(fused_calls):
+def test_a_prefill_runs_in_c_up_to_the_rows_that_measured_faster_than_the_spread_modules(
+    fused_calls, monkeypatch, tmp_path
+):
     """A prompt's prefill takes the C layers up to `fused_layer.prefill_rows` rows and the modules past them (the same
     function to float32 noise); inside a spread prefill that limit is `fastpath.c_prefill_rows`, measured once per
-    model and thread count (one of its timed lengths, or 0 where C never won)."""
+    machine for the model's shape and thread count (one of its timed lengths, or 0 where C never won)."""
     model = tiny_model()
     fastpath.install(model, "exact")
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(2))
@@ -245,6 +247,24 @@ def test_a_prefill_runs_in_c_up_to_the_rows_that_measured_faster_than_the_spread
     cap = fastpath.c_prefill_rows(model, layout)
     assert cap in (0, *fastpath.C_PREFILL_ROWS)
     assert fastpath._c_prefill[model] == {layout[1]: cap}
+    # kept per machine by the model's shape and the threads: a later process (another model object of that shape)
+    # takes it as kept; a kept value that is none of the timed lengths is timed again
+    monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))
+    timed = []
+    real = fastpath._time_c_prefill_rows
+    monkeypatch.setattr(fastpath, "_time_c_prefill_rows", lambda *a: timed.append(1) or real(*a))
+    twin = tiny_model()
+    fastpath.install(twin, "exact")
+    assert fastpath.c_prefill_rows(twin, layout) in (0, *fastpath.C_PREFILL_ROWS) and len(timed) == 1
+    (kept,) = tmp_path.glob(f"c_prefill_*_{layout[1]}threads_*.json")
+    kept.write_text('{"rows": 16}')
+    again = tiny_model()
+    fastpath.install(again, "exact")
+    assert fastpath.c_prefill_rows(again, layout) == 16 and len(timed) == 1
+    kept.write_text('{"rows": 5}')
+    other = tiny_model()
+    fastpath.install(other, "exact")
+    assert fastpath.c_prefill_rows(other, layout) in (0, *fastpath.C_PREFILL_ROWS) and len(timed) == 2
     with fastpath.spread(layout, model):
         assert fused_layer._prefill_rows == cap
     assert fused_layer._prefill_rows == kernels.MAX_ROWS

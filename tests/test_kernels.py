@@ -656,14 +656,63 @@ def test_routes_are_timed_on_copies_of_the_weight_that_come_from_memory(monkeypa
     monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: seen.append(w.data_ptr()) or real(x, w, b))
     before = linear.weight.clone()
     monkeypatch.setattr(fastpath, "ROUTE_COPIES", 40)
-    routes = fastpath._routes(linear, paths)
+    routes = fastpath._time_routes(linear, paths)
     assert len(routes) == len(fastpath.ROUTE_ROWS) and set(routes) <= set(paths)
     assert all(a != b for a, b in zip(seen, seen[1:])) and linear.weight.data_ptr() not in seen
     assert 1 < len(set(seen)) <= 40  # 64·96·4 bytes a copy: the cap, not ROUTE_COLD_BYTES, bounds them
     torch.testing.assert_close(linear.weight, before, rtol=0, atol=0)
     seen.clear()
-    fastpath._routes(linear, paths, cold=False)
+    fastpath._time_routes(linear, paths, cold=False)
     assert set(seen) == {linear.weight.data_ptr()}
+
+
+def test_routes_are_measured_once_per_machine_by_shape_and_paths(monkeypatch, tmp_path):
+    """`_routes` keeps what it timed beside the kernel library (`kernels.per_machine`): a later process takes a
+    kept route without timing, another shape or set of paths is timed afresh, and a kept file that is corrupt or
+    names a path not offered is timed again."""
+    monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))
+    linear = nn.Linear(64, 96).to(torch.float32)
+    linear.__class__ = fastpath.RoutedLinear
+    paths = ["torch"]
+    if torch.backends.mkldnn.is_available():
+        linear.repack()
+        paths.append("onednn")
+    calls = []
+    real = fastpath._time_routes
+    monkeypatch.setattr(fastpath, "_time_routes", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    first = fastpath._routes(linear, paths)
+    (kept,) = tmp_path.glob("routes_96x64_float32_float32_bias_*.json")
+    assert len(calls) == 1 and len(first) == len(fastpath.ROUTE_ROWS) and set(first) <= set(paths)
+    planted = ["torch", paths[-1]] * len(fastpath.ROUTE_ROWS)
+    kept.write_text(f'{{"routes": {planted[: len(fastpath.ROUTE_ROWS)]}}}'.replace("'", '"'))  # another process's
+    assert fastpath._routes(linear, paths) == tuple(planted[: len(fastpath.ROUTE_ROWS)]) and len(calls) == 1
+    assert len(fastpath._routes(linear, ["torch"])) == len(fastpath.ROUTE_ROWS) and len(calls) == 2  # other paths
+    for text in ('{"routes": ["tiles"]}', "{not json"):
+        kept.write_text(text)
+        assert set(fastpath._routes(linear, paths)) <= set(paths)
+    assert len(calls) == 4
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the C kernels (a C compiler)")
+def test_a_drafts_c_layer_cap_is_measured_once_per_machine(monkeypatch, tmp_path):
+    """`fused_layer.cap_rows` keeps its measurement per machine by the draft's shape: a draft of that shape served
+    later takes the kept cap without timing; one that is none of the timed lengths is timed again."""
+    from mirror_train.models.drafter import MirrorDrafterForCausalLM
+    from mirror_train.random_models import tiny_model
+
+    monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))
+    draft = MirrorDrafterForCausalLM.from_target(tiny_model("llama", layers=4), 3, num_streams=2, num_stream_layers=1)
+    fastpath.install(copy.deepcopy(draft).eval(), "fastest")
+    (kept,) = tmp_path.glob("cap_rows_*.json")
+    timed = []
+    real = fused_layer._time_cap_rows
+    monkeypatch.setattr(fused_layer, "_time_cap_rows", lambda *a: timed.append(1) or real(*a))
+    for text, cap, count in (('{"rows": 4}', {4}, 0), ('{"rows": 5}', {0, *fused_layer.CAP_ROWS}, 1)):
+        kept.write_text(text)
+        served = copy.deepcopy(draft).eval()
+        fastpath.install(served, "fastest")
+        caps = {layer.max_rows for layer in fused_layer.decoder_layers(served)}
+        assert len(caps) == 1 and caps <= cap and len(timed) == count
 
 
 @pytest.mark.skipif(not kernels.available(), reason="needs the C kernels (a C compiler)")

@@ -306,6 +306,47 @@ def test_the_screen_measured_is_one_built_here_and_kept_when_its_weight_changes(
 
 
 @needs_kernel
+def test_the_screens_kind_and_rows_are_measured_once_per_machine(monkeypatch, tmp_path):
+    """The kind and the rows where the screen pays are kept beside the kernel library (`kernels.per_machine`): a
+    later process (the per-process choices cleared) takes them as kept without timing anything, and a kept file
+    that is corrupt, or names a kind not built here, is measured again."""
+    monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))  # the loaded library stays; the choices are kept here
+    monkeypatch.setattr(screened_head, "_FASTEST", {})
+    monkeypatch.setattr(screened_head, "_MEASURED", {})
+    head = served_head(torch.randn(700, 64, generator=torch.Generator().manual_seed(9)))
+    built = screened_head.kinds_built()
+    first = screened_head.build(head)
+    kept = sorted(p.name for p in tmp_path.glob("screen_700x64_*.json"))
+    assert len(kept) == (2 if len(built) > 1 else 1)  # the kind (where there is a choice), its rows
+
+    def timed(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    other = built[-1]
+    rows = [i % 2 == 0 for i in range(len(screened_head.ROWS))]
+    if len(built) > 1:
+        (kind_file,) = tmp_path.glob(f"screen_700x64_*_{'-'.join(built)}_*.json")
+        kind_file.write_text(f'{{"kind": "{other}"}}')  # another process's choice
+    (rows_file,) = tmp_path.glob(f"screen_700x64_*_{first.kind}_rows_*.json")
+    for kind in (first.kind, other):  # the chosen kind's rows, as that process kept them
+        path = rows_file.with_name(rows_file.name.replace(f"_{first.kind}_rows_", f"_{kind}_rows_"))
+        path.write_text(f'{{"rows": {str(rows).lower()}}}')
+    screened_head._FASTEST.clear()
+    screened_head._MEASURED.clear()
+    with monkeypatch.context() as m:
+        m.setattr(screened_head, "_fastest", timed)
+        m.setattr(screened_head, "_measure", timed)
+        later = screened_head.build(head)
+    assert later.kind == (other if len(built) > 1 else first.kind) and later.rows == tuple(rows)
+    for path in tmp_path.glob("screen_700x64_*.json"):
+        path.write_text('{"kind": "tiles"}' if "-" in path.name else "{not json")
+    screened_head._FASTEST.clear()
+    screened_head._MEASURED.clear()
+    again = screened_head.build(head)
+    assert again.kind in built and len(again.rows) == len(screened_head.ROWS)
+
+
+@needs_kernel
 def test_the_screen_follows_its_heads_weight_and_steps_aside_where_it_cannot_bound():
     """A weight changed in place: the screen is made again (old tokens would be wrong). Non-finite rows: the whole
     head, as does a head with a bias or in another dtype (no screen built)."""

@@ -30,7 +30,8 @@ from mirror_train.errors import MirrorTrainError
 
 
 class ModelDraft:
-    """A `MirrorDrafterForCausalLM` behind the backend calls; greedy (the acceptance rule needs no draft q)."""
+    """A `MirrorDrafterForCausalLM` behind the backend calls; greedy, or at T > 0 coupled to the target's noise (the
+    acceptance rule needs no draft q)."""
 
     def __init__(self, model, use_streams: bool = True):
         self.model = model.eval()
