@@ -45,7 +45,7 @@ import torch
 
 from mirror_train import fastpath, static_step
 from mirror_train.devices import clock, pinned, resolve_device
-from mirror_train.engine.acceptance import accept_forked, sample_noise, target_tokens, truncate
+from mirror_train.engine.acceptance import NoiseRows, accept_forked, target_tokens, truncate
 from mirror_train.engine.channel import DraftUnavailable, LocalDraft, ProcessDraft
 from mirror_train.engine.config import COPY_METHODS, METHODS, EngineConfig, Generation, StepStats
 from mirror_train.engine.latency import predicted_step_ms
@@ -497,13 +497,10 @@ class MirrorEngine:
     def _noise(self, seq: _Sequence, positions) -> torch.Tensor:
         """The sampling noise of these output positions (len, V), each drawn once a sequence and kept until its
         position is decided (`_tokens`)."""
-        cfg = self.config
-        for decided in [p for p in seq.noise if p < len(seq.new)]:
-            del seq.noise[decided]
-        missing = [p for p in positions if p not in seq.noise]
-        if missing:
-            seq.noise.update(zip(missing, sample_noise(self.target.vocab_size, cfg.temperature, cfg.seed, missing)))
-        return torch.stack([seq.noise[p] for p in positions])
+        if seq.noise is None:
+            seq.noise = NoiseRows(self.target.vocab_size, self.config.temperature, self.config.seed)
+        seq.noise.forget_before(len(seq.new))
+        return seq.noise.rows(positions)
 
     def _draw_ahead(self, seq: _Sequence) -> None:
         """While the draft's process makes the next window (a verdict is out, its reply awaited): draw the noise of
@@ -751,7 +748,7 @@ class _Sequence:
     untold: list = field(default_factory=list)  # verdicts the draft's process is yet to be told (_next_window)
     # a rate-driven ask whose window the next step verifies: (the rate it was asked at, its wait in ms)
     asked_for: tuple[float, float] | None = None
-    noise: dict = field(default_factory=dict)  # T > 0: output position → its sampling noise, while undecided (_tokens)
+    noise: NoiseRows | None = None  # T > 0: its sampling noise by output position, while undecided (_tokens)
 
 
 def _window(reply) -> tuple[list[int], list[int], int]:

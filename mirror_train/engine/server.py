@@ -33,7 +33,7 @@ from collections import deque
 import torch
 
 from mirror_train.datastore import Datastore
-from mirror_train.engine.acceptance import sample_noise
+from mirror_train.engine.acceptance import NoiseRows
 from mirror_train.engine.branches import plan_rollout, rank_branches, rollout_line, with_lookup
 from mirror_train.engine.messages import Branches, Load, Ping, Pong, Start, Verdict, Window
 from mirror_train.engine.ngram import NgramIndex
@@ -157,9 +157,9 @@ class DraftServer:
         self.miss_ms: float | None = None
         self.ahead: Rollout | None = None  # the draft's own continuation past the window (look-ahead), this step
         # The target's sampling (Start): at T > 0 the draft's tokens are coupled to the target's noise of their
-        # positions (`_noise`), each row drawn once a sequence, by output position
-        self.temperature, self.seed, self.vocab_size, self.prompt_len = 0.0, 0, 0, 0
-        self.noise_rows: dict[int, torch.Tensor] = {}
+        # output positions (`_noise`); None at T = 0
+        self.noise: NoiseRows | None = None
+        self.prompt_len = 0
 
     @property
     def conditioned(self) -> bool:
@@ -192,8 +192,9 @@ class DraftServer:
         self.contention = float(msg.contention or 0.0)
         self.forks, self.alt, self.alt_keys, self.fork = bool(msg.forks), [], [], 0
         self.tokens = list(msg.prompt)
-        self.temperature, self.seed, self.vocab_size = float(msg.temperature), int(msg.seed), int(msg.vocab_size)
-        self.prompt_len, self.noise_rows = len(self.tokens), {}
+        sampled = msg.temperature > 0 and msg.vocab_size > 0
+        self.noise = NoiseRows(int(msg.vocab_size), float(msg.temperature), int(msg.seed)) if sampled else None
+        self.prompt_len = len(self.tokens)
         self.states = {slot: StateTable(self.device) for slot in self.target_slots}
         self.window_states = None
         self._append_states(msg.states, len(self.tokens) - 1, "the prompt")
@@ -312,8 +313,8 @@ class DraftServer:
             self.window_states = None
         committed = list(msg.committed) if foreign else (self.alt if alt_won else self.window)[:taken] + [correction]
         self.tokens += committed
-        first = len(self.tokens) - self.prompt_len  # the next token's output position: no draft token is before it
-        self.noise_rows = {p: row for p, row in self.noise_rows.items() if p >= first}
+        if self.noise is not None:  # the next token's output position: no draft token is before it
+            self.noise.forget_before(len(self.tokens) - self.prompt_len)
         for index in self._indexes():
             index.extend(committed)
         if msg.costs:
@@ -389,18 +390,10 @@ class DraftServer:
         (greedy drafting). Why: a draft token drawn with the target's own noise is the target's sample wherever the
         two distributions nearly agree, where a greedy token matches it only as often as the target samples its
         argmax (docs/engine.md, forty-sixth session)."""
-        if self.temperature <= 0 or self.vocab_size <= 0:
+        if self.noise is None:
             return None
-
-        def rows(indices):
-            positions = [i - self.prompt_len for i in indices]
-            missing = [p for p in positions if p not in self.noise_rows]
-            if missing:
-                drawn = sample_noise(self.vocab_size, self.temperature, self.seed, missing)
-                self.noise_rows.update(zip(missing, drawn))
-            return torch.stack([self.noise_rows[p] for p in positions])
-
-        return rows
+        noise, prompt_len = self.noise, self.prompt_len
+        return lambda indices: noise.rows([i - prompt_len for i in indices])
 
     def _end_branches(self, accepted: int) -> int | None:
         """Forget this step's branch rollout; the nodes of it to commit (None: none was rolled out): the pending
