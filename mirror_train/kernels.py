@@ -140,6 +140,10 @@ def _library() -> ctypes.CDLL | None:
         # x, M, H, n, layers (StackLayer[n]), cos, sin, past, n1, s2, n2, scratch
         lib.decoder_stack_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
         lib.decoder_stack_f32.restype = None
+        # x, ldx, n, weights[n], shapes[2n], the weights' type (READ_TYPES), whether they are panels, y, ldy, M
+        if hasattr(lib, "linear_many"):  # an older revision's library has none
+            lib.linear_many.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, i64, i64]
+            lib.linear_many.restype = None
         # x, M, H, pre, pre_eps, fin, fin_eps, weights[3], wtypes[3], wpanels[3], wscales[3], wsums[3], I, V,
         # softcap, kappa, window, W, outside_logp, top ids, top log-probs, window log-probs, scratch
         f32 = ctypes.c_float
@@ -159,6 +163,9 @@ def _library() -> ctypes.CDLL | None:
         if hasattr(lib, "panel_prefetch"):  # an older revision's library has none
             lib.panel_prefetch.argtypes = [ctypes.c_int, i64]
             lib.panel_prefetch.restype = i64
+        if hasattr(lib, "panel_prefetch_distance"):  # the same
+            lib.panel_prefetch_distance.argtypes = [ctypes.c_int, i64]
+            lib.panel_prefetch_distance.restype = i64
         lib.head_scratch_floats.argtypes = [i64] * 4
         lib.head_scratch_floats.restype = i64
     except (OSError, AttributeError):  # not loadable here, or not the library this source builds
@@ -174,6 +181,38 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 # the dtypes the kernels read weights in (a model's own, or float16 copies of a float16-valued float32 model's, rows
 # only: serve_narrow), as decoder_layer's weight type codes
 READ_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class LinearList:
+    """Linears timed as a stack reads them: every weight (its rows, or its panels), one dtype, called one after
+    another on the same 1-8 input rows in one C call (`linear_many`), so a measurement sees the kernels and not a
+    Python call each. weights: (rows, panels or None) pairs, all panels or none; the rows give each shape."""
+
+    def __init__(self, weights: list[tuple[torch.Tensor, torch.Tensor | None]]):
+        self.read = [w if p is None else p for w, p in weights]
+        self.panels = weights[0][1] is not None
+        self.wtype = READ_TYPES[self.read[0].dtype]
+        shapes = [tuple(w.shape) for w, _ in weights]
+        self._pointers = (ctypes.c_void_p * len(shapes))(*[t.data_ptr() for t in self.read])
+        self._shapes = (ctypes.c_int64 * (2 * len(shapes)))(*[d for shape in shapes for d in shape])
+        self.k, self.n = max(k for _, k in shapes), max(n for n, _ in shapes)
+        self.count = len(shapes)
+
+    def __call__(self, x: torch.Tensor) -> None:
+        """Every linear on x (rows x the largest K, contiguous float32); the outputs are scratch."""
+        y = torch.empty(x.shape[0], self.n)
+        _library().linear_many(
+            x.data_ptr(),
+            self.k,
+            self.count,
+            self._pointers,
+            self._shapes,
+            self.wtype,
+            int(self.panels),
+            y.data_ptr(),
+            self.n,
+            x.shape[0],
+        )
 
 
 def linear(
@@ -426,7 +465,11 @@ LAYOUTS = ("rows", "panels")
 # what `layout_times` times: each layout in float32 and bfloat16, and the rows in float16 (no float16 panels)
 MEASURED = (*LAYOUTS, *(f"{name}_bf16" for name in LAYOUTS), "rows_f16")
 SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16", torch.float16: "_f16"}
-LAYOUT_BYTES = 48 * 2**20  # the weights `layout` streams a timed call through: far past a CPU's L2, as in serving
+# What `layout` streams: LAYOUT_LAYERS decoder layers' linears of the testbed's shapes (PREFETCH_SHAPES below, ~100
+# MB in float32: past a CPU's L3, as in serving), in one C call a round. A (1536, 576) shape over 48 MB, each linear
+# called from Python, measured the layouts 1% apart on a Zen 4 where the target's stack ran 8-row windows' linears
+# ~20% faster on panels (forty-seventh session): the calls cost as much as the difference.
+LAYOUT_LAYERS = 8
 
 
 @functools.cache
@@ -435,7 +478,7 @@ def layout(dtype: torch.dtype = torch.float32) -> str:
     "rows" (the weight as it is, a block of weight rows x input rows, LANES partial sums an output) or "panels"
     (`to_panels`, one sum chain an output; a second copy of the weights, the rows kept for the prefill's GEMM).
     $MIRROR_TRAIN_KERNEL_LAYOUT (rows, panels, auto) decides; auto, the default, times both once per machine (kept
-    with the compiled library) over LAYOUT_BYTES of weights at one and eight rows (a one-token step and a
+    with the compiled library) over LAYOUT_LAYERS layers' weights at one and eight rows (a one-token step and a
     verification window) and takes the faster in sum. On an AVX2-only Zen 3 core float32 panels took 0.66x / 0.77x
     the rows' time (docs/engine.md, twenty-seventh session); on a Zen 4 rows won in float32 and panels in bfloat16
     (thirty-fourth session)."""
@@ -448,6 +491,7 @@ def layout(dtype: torch.dtype = torch.float32) -> str:
         raise ValueError(f"MIRROR_TRAIN_KERNEL_LAYOUT must be auto, rows or panels, got {name!r}")
     if not available():
         return "rows"
+    tune_prefetch()  # the panels timed as they are served: how they prefetch is this machine's, measured first
     times = _machine_times()
     return min(LAYOUTS, key=lambda name: times[name + SUFFIX[dtype]])
 
@@ -506,52 +550,79 @@ def panel_prefetch(dtype: str, mask: int | None = None) -> int:
     return int(_library().panel_prefetch(PREFETCH_TYPES[dtype], -1 if mask is None else mask))
 
 
+def panel_prefetch_distance(dtype: str, distance: int | None = None) -> int:
+    """How many bytes ahead `dtype` panels' tiles prefetch, after setting it to `distance` if given (rounded down to
+    64, at most 16 MB; csrc/linear_panels.c; the arithmetic is the same at any distance)."""
+    return int(_library().panel_prefetch_distance(PREFETCH_TYPES[dtype], -1 if distance is None else distance))
+
+
+def panel_prefetching(dtype: str) -> dict[str, int]:
+    """What `dtype` panels prefetch now: {"mask": tile heights, "distance": bytes ahead} (`tune_prefetch` sets it)."""
+    return {"mask": panel_prefetch(dtype), "distance": panel_prefetch_distance(dtype)}
+
+
+def _set_prefetching(dtype: str, prefetching: dict[str, int]) -> dict[str, int]:
+    panel_prefetch(dtype, int(prefetching["mask"]))
+    panel_prefetch_distance(dtype, int(prefetching["distance"]))
+    return panel_prefetching(dtype)
+
+
+def _valid_prefetching(values: dict) -> bool:
+    return all(
+        isinstance(v, dict) and set(v) == {"mask", "distance"} and all(isinstance(n, int) for n in v.values())
+        for v in values.values()
+    )
+
+
 @functools.cache
-def tune_prefetch() -> dict[str, int]:
-    """Set which tile heights prefetch, per panel type, from $MIRROR_TRAIN_PANEL_PREFETCH: auto (the default)
-    measures each height with and without once per machine (`prefetch_times`, kept beside the library) and keeps the
-    faster; "default" keeps the C source's (from 2 rows); a number (0x1fc) is the mask for both types. Why measure:
-    the prefetch a Zen 4 gained from at 2-8 rows cost the AMX Xeon's 2- and 3-row steps ~1 ms each (docs/engine.md,
-    forty-fourth session). The masks set; {} where the kernels (or this function in them) are not built."""
+def tune_prefetch() -> dict[str, dict[str, int]]:
+    """Set how panels prefetch, per panel type: which tile heights, and how far ahead (`panel_prefetching`), from
+    $MIRROR_TRAIN_PANEL_PREFETCH: auto (the default) measures both once per machine (`prefetch_times`, kept beside
+    the library); "default" keeps the C source's (from 2 rows, 256 KB ahead); a number (0x1fc) is the mask for both
+    types at the source's distance. Why measure: the prefetch a Zen 4 gained from at 2-8 rows cost the AMX Xeon's 2-
+    and 3-row steps ~1 ms each (docs/engine.md, forty-fourth session), and the distance a Zen 3 chose (64 KB) left a
+    Zen 4's 8-row windows 1.28x slower than 256 KB (forty-seventh). What is set; {} where the kernels (or these
+    functions in them) are not built."""
     name = os.environ.get("MIRROR_TRAIN_PANEL_PREFETCH", "auto")
-    if not available() or not has("panel_prefetch"):
+    if not available() or not has("panel_prefetch_distance"):
         return {}
     if name == "default":
-        return {t: panel_prefetch(t) for t in PREFETCH_TYPES}
+        return {t: panel_prefetching(t) for t in PREFETCH_TYPES}
     if name == "auto":
-        masks = per_machine("prefetch", prefetch_times, set(PREFETCH_TYPES))
+        chosen = per_machine("prefetch", prefetch_times, set(PREFETCH_TYPES), valid=_valid_prefetching)
     else:
         try:
             mask = int(name, 0)
         except ValueError:
             message = f"MIRROR_TRAIN_PANEL_PREFETCH must be auto, default or a mask (0x1fc), got {name!r}"
             raise ValueError(message) from None
-        masks = dict.fromkeys(PREFETCH_TYPES, mask)
-    return {t: panel_prefetch(t, int(m)) for t, m in masks.items()}
+        chosen = {t: {"mask": mask, "distance": panel_prefetch_distance(t)} for t in PREFETCH_TYPES}
+    return {t: _set_prefetching(t, v) for t, v in chosen.items()}
 
 
 @functools.cache
 def layout_times(rounds: int = 3) -> dict[str, float]:
-    """Milliseconds a layout's linears take over LAYOUT_BYTES of float32 weights (a (1536, 576) shape, the testbed's
-    MLP) at one row plus at eight rows, and the same weights' values stored in bfloat16 ("rows_bf16", "panels_bf16")
-    and float16 ("rows_f16": `narrow`'s copies): medians of alternating rounds, one thread (`layout`'s and
+    """Milliseconds a layout's linears take over LAYOUT_LAYERS decoder layers' float32 weights (the testbed's shapes)
+    at one row plus at eight rows, and the same weights' values stored in bfloat16 ("rows_bf16", "panels_bf16")
+    and float16 ("rows_f16": `narrow`'s copies): medians of alternating rounds, one thread, every layout's
+    linears in one C call (`LinearList`), panels prefetching as this process has them set (`layout`'s and
     `narrow`'s measurement)."""
     import statistics
     import time
 
     gen = torch.Generator().manual_seed(0)
-    shape = (1536, 576)
-    count = max(1, LAYOUT_BYTES // (4 * shape[0] * shape[1]))
-    weights = alignment.pack([(torch.rand(shape, generator=gen) - 0.5).bfloat16().float() for _ in range(count)])
+    shapes = [shape for _ in range(LAYOUT_LAYERS) for shape in PREFETCH_SHAPES]
+    weights = alignment.pack([(torch.rand(shape, generator=gen) - 0.5).bfloat16().float() for shape in shapes])
     halves = alignment.pack([w.bfloat16() for w in weights])  # on huge pages, as served weights are (alignment.py)
     read = {
-        "rows": [(w, None) for w in weights],
-        "panels": list(zip(weights, alignment.pack([to_panels(w) for w in weights]))),
-        "rows_bf16": [(h, None) for h in halves],
-        "panels_bf16": list(zip(halves, alignment.pack([to_panels(h) for h in halves]))),
-        "rows_f16": [(h, None) for h in alignment.pack([w.half() for w in weights])],
+        "rows": LinearList([(w, None) for w in weights]),
+        "panels": LinearList(list(zip(weights, alignment.pack([to_panels(w) for w in weights])))),
+        "rows_bf16": LinearList([(h, None) for h in halves]),
+        "panels_bf16": LinearList(list(zip(halves, alignment.pack([to_panels(h) for h in halves])))),
+        "rows_f16": LinearList([(h, None) for h in alignment.pack([w.half() for w in weights])]),
     }
-    x = torch.rand(8, shape[1], generator=gen)
+    x = torch.rand(8, max(k for _, k in PREFETCH_SHAPES), generator=gen)
+    inputs = {r: x[:r].contiguous() for r in (1, 8)}
     times: dict[tuple[str, int], list[float]] = {(name, r): [] for name in MEASURED for r in (1, 8)}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -561,8 +632,7 @@ def layout_times(rounds: int = 3) -> dict[str, float]:
                 for r in (1, 8):
                     for name in MEASURED:
                         start = time.perf_counter()
-                        for w, p in read[name]:
-                            linear(x[:r], w, panels=p)
+                        read[name](inputs[r])
                         times[(name, r)].append((time.perf_counter() - start) * 1e3)
     finally:
         torch.set_num_threads(threads)
@@ -574,51 +644,66 @@ def layout_times(rounds: int = 3) -> dict[str, float]:
 # from the target's own stack on the AMX Xeon, and this one agreed with the stack; forty-fourth session)
 PREFETCH_SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
 PREFETCH_LAYERS = 16
-# heights measured: one row never prefetches (it streams eight panels at once; slower with it wherever measured),
-# seven and eight always (compute-bound: the prefetch gained or tied on Zen 4 and the AMX Xeon)
+# heights measured: one row never prefetches (one panel at a time: a single stream the hardware follows; eight at
+# once ran slower with it wherever measured), seven and eight always (compute-bound: the prefetch gained or tied on
+# Zen 4 and the AMX Xeon)
 PREFETCH_ROWS = range(2, 7)
 PREFETCH_ALWAYS = (1 << 7) | (1 << 8)
+# distances measured (bytes ahead), at the heights where the window's FMAs and the stream compete: the old default
+# and the one a Zen 4 took 8-row windows 0.78x the time with (forty-seventh session)
+PREFETCH_DISTANCES = (65536, 262144)
+DISTANCE_ROWS = (4, 8)
 
 
-def prefetch_times(rounds: int = 5, layers: int = PREFETCH_LAYERS) -> dict[str, int]:
-    """Per panel type, the mask of tile heights whose calls over `layers` decoder layers' linears took less time
-    prefetching than not (PREFETCH_ROWS measured: medians of alternating rounds, one thread; PREFETCH_ALWAYS set).
-    One type's panels at a time (~230 MB of float32 ones held at most). The mask in force before is restored."""
+def prefetch_times(rounds: int = 5, layers: int = PREFETCH_LAYERS) -> dict[str, dict[str, int]]:
+    """Per panel type, how its tiles prefetch over `layers` decoder layers' linears (the testbed's shapes), medians
+    of alternating rounds, one thread: first the distance (of PREFETCH_DISTANCES, the fastest in sum over
+    DISTANCE_ROWS, those heights prefetching), then at that distance the mask of tile heights that took less time
+    prefetching than not (PREFETCH_ROWS measured, PREFETCH_ALWAYS set). One type's panels at a time (~230 MB of
+    float32 ones held at most). What was in force before is restored."""
     import statistics
     import time
 
     gen = torch.Generator().manual_seed(1)
-    x = torch.rand(max(PREFETCH_ROWS), max(k for _, k in PREFETCH_SHAPES), generator=gen)
-    inputs = {(r, k): x[:r, :k].contiguous() for r in PREFETCH_ROWS for _, k in PREFETCH_SHAPES}  # outside the timing
-    before = {t: panel_prefetch(t) for t in PREFETCH_TYPES}
-    masks = {}
+    heights = sorted({*PREFETCH_ROWS, *DISTANCE_ROWS})
+    x = torch.rand(max(heights), max(k for _, k in PREFETCH_SHAPES), generator=gen)
+    inputs = {r: x[:r].contiguous() for r in heights}  # outside the timing
+    before = {t: panel_prefetching(t) for t in PREFETCH_TYPES}
+    chosen = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+
+    def medians(stack: LinearList, t: str, settings: dict) -> dict:
+        """Median ms per setting, settings: key -> (rows, mask, distance), every key timed in turn each round."""
+        times: dict = {key: [] for key in settings}
+        with torch.inference_mode():
+            for _ in range(rounds + 1):  # the first round warms
+                for key, (r, mask, distance) in settings.items():
+                    _set_prefetching(t, {"mask": mask, "distance": distance})
+                    start = time.perf_counter()
+                    stack(inputs[r])
+                    times[key].append((time.perf_counter() - start) * 1e3)
+        return {key: statistics.median(v[1:]) for key, v in times.items()}
+
     try:
         for t in PREFETCH_TYPES:
             shapes = [shape for _ in range(layers) for shape in PREFETCH_SHAPES]
             dtype = getattr(torch, t)
-            # on huge pages, as served weights are (alignment.py); `linear` reads the panels, the weight its shape
+            # on huge pages, as served weights are (alignment.py); the stack reads the panels, the weight its shape
             panels = alignment.pack([to_panels((torch.rand(shape, generator=gen) - 0.5).to(dtype)) for shape in shapes])
-            read = [(torch.empty(shape, device="meta"), p) for shape, p in zip(shapes, panels, strict=True)]
-            times: dict[tuple[int, int], list[float]] = {}
-            with torch.inference_mode():
-                for _ in range(rounds + 1):  # the first round warms
-                    for r in PREFETCH_ROWS:
-                        for on in (0, 1):
-                            panel_prefetch(t, (1 << r) if on else 0)
-                            start = time.perf_counter()
-                            for meta, p in read:
-                                linear(inputs[(r, meta.shape[1])], meta, panels=p)
-                            times.setdefault((r, on), []).append((time.perf_counter() - start) * 1e3)
-            med = {key: statistics.median(v[1:]) for key, v in times.items()}
-            masks[t] = sum(1 << r for r in PREFETCH_ROWS if med[(r, 1)] < med[(r, 0)]) | PREFETCH_ALWAYS
-            del panels, read
+            meta = [torch.empty(shape, device="meta") for shape in shapes]
+            stack = LinearList(list(zip(meta, panels, strict=True)))
+            med = medians(stack, t, {(r, d): (r, 1 << r, d) for r in DISTANCE_ROWS for d in PREFETCH_DISTANCES})
+            distance = min(PREFETCH_DISTANCES, key=lambda d: sum(med[(r, d)] for r in DISTANCE_ROWS))
+            med = medians(stack, t, {(r, on): (r, (1 << r) * on, distance) for r in PREFETCH_ROWS for on in (0, 1)})
+            mask = sum(1 << r for r in PREFETCH_ROWS if med[(r, 1)] < med[(r, 0)]) | PREFETCH_ALWAYS
+            chosen[t] = {"mask": mask, "distance": distance}
+            del panels, stack
     finally:
         torch.set_num_threads(threads)
-        for t, mask in before.items():
-            panel_prefetch(t, mask)
-    return masks
+        for t, prefetching in before.items():
+            _set_prefetching(t, prefetching)
+    return chosen
 
 
 def _run_pointers(runs: torch.Tensor) -> tuple[int, int, int]:

@@ -190,6 +190,8 @@ def main() -> None:
         "torch": torch.__version__,
         "fast_path": kind,
         "kernel_layout": served.get("layout"),
+        "panel_prefetch": served.get("panel_prefetch"),  # tile heights that prefetch, and how far (kernels.py)
+        "panel_prefetch_distance": served.get("panel_prefetch_distance"),
         "values": args.values,  # the float32 weights' values: their own, or rounded to bfloat16 / float16 ones
         "weights_read": served.get("weights_read"),  # the dtype the fast path reads them in (kernels.serve_narrow)
         "context": args.context,

@@ -50,6 +50,7 @@ def run(args) -> dict:
         "weights_read": served.get("weights_read"),  # half-precision copies (kernels.serve_narrow)
         "head_screen": served.get("head_screen"),  # greedy tokens through the LM head's screen (screened_head.py)
         "panel_prefetch": served.get("panel_prefetch"),
+        "panel_prefetch_distance": served.get("panel_prefetch_distance"),
         "records": records,
     }
     with torch.inference_mode():

@@ -128,48 +128,65 @@ def test_panels_interleave_lanes_of_weight_rows_and_the_layout_is_measured_once_
 
 
 @needs_kernel
-def test_which_panel_tiles_prefetch_is_measured_per_machine_and_never_changes_the_bits(monkeypatch, tmp_path):
-    """Prefetching ahead or not (csrc/linear_panels.c's two tiles of each height) gives every output the same bits
-    at every row count, float32 and bfloat16 panels; the masks are measured once per machine (kept beside the
-    library: another process's file is read, not measured again), or set from $MIRROR_TRAIN_PANEL_PREFETCH, whose
-    bad value is a clear error."""
+def test_how_panels_prefetch_is_measured_per_machine_and_never_changes_the_bits(monkeypatch, tmp_path):
+    """Prefetching ahead or not (csrc/linear_panels.c's two tiles of each height), and at any distance, gives every
+    output the same bits at every row count, float32 and bfloat16 panels; the masks and distances are measured once
+    per machine (kept beside the library: another process's file is read, not measured again; an invalid one is
+    measured again), or the mask set from $MIRROR_TRAIN_PANEL_PREFETCH, whose bad value is a clear error."""
     g = torch.Generator().manual_seed(4)
-    before = {t: kernels.panel_prefetch(t) for t in kernels.PREFETCH_TYPES}
+    before = {t: kernels.panel_prefetching(t) for t in kernels.PREFETCH_TYPES}
     try:
         for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
             w = torch.randn(100, 70, generator=g).to(dtype)
             panels, x = kernels.to_panels(w), torch.randn(8, 70, generator=g)
             outs = []
-            for mask in (0, 0x1FE):
+            for mask, distance in ((0, 65536), (0x1FE, 65536), (0x1FE, 262144), (0x1FE, 64)):
                 assert kernels.panel_prefetch(name, mask) == mask
+                assert kernels.panel_prefetch_distance(name, distance) == distance
                 outs.append([kernels.linear(x[:r], w, panels=panels) for r in range(1, 9)])
-            assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
-        current = {t: kernels.panel_prefetch(t) for t in kernels.PREFETCH_TYPES}
+            assert all(torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out, strict=True))
+            assert kernels.panel_prefetch_distance(name, 100) == 64  # whole cache lines
+            # the per-machine measurements' C loop: each linear's output is the one a call of its own gives
+            stack = kernels.LinearList([(w, panels), (w[:33], kernels.to_panels(w[:33]))])
+            wide = torch.randn(8, 70, generator=g)
+            y = torch.empty(8, 100)
+            kernels._library().linear_many(
+                wide.data_ptr(), 70, 1, stack._pointers, stack._shapes, stack.wtype, 1, y.data_ptr(), 100, 8
+            )
+            assert torch.equal(y, kernels.linear(wide, w, panels=panels))
+        current = {t: kernels.panel_prefetching(t) for t in kernels.PREFETCH_TYPES}
         measured = kernels.prefetch_times(rounds=1, layers=2)
         assert set(measured) == set(kernels.PREFETCH_TYPES)
-        assert all(0 <= m < 512 and not m & 1 and m & kernels.PREFETCH_ALWAYS for m in measured.values())
-        assert {t: kernels.panel_prefetch(t) for t in kernels.PREFETCH_TYPES} == current  # restored after measuring
-        monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))  # the loaded library stays; the masks kept here
+        masks = [v["mask"] for v in measured.values()]
+        assert all(0 <= m < 512 and not m & 1 and m & kernels.PREFETCH_ALWAYS for m in masks)
+        assert all(v["distance"] in kernels.PREFETCH_DISTANCES for v in measured.values())
+        assert {t: kernels.panel_prefetching(t) for t in kernels.PREFETCH_TYPES} == current  # restored after
+        monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))  # the loaded library stays; the choice kept here
         monkeypatch.setenv("MIRROR_TRAIN_PANEL_PREFETCH", "auto")
-        monkeypatch.setattr(kernels, "prefetch_times", lambda: {"float32": 0x10, "bfloat16": 0x6})
+        chosen = {"float32": {"mask": 0x10, "distance": 4096}, "bfloat16": {"mask": 0x6, "distance": 131072}}
+        monkeypatch.setattr(kernels, "prefetch_times", lambda: chosen)
         kernels.tune_prefetch.cache_clear()
-        assert kernels.tune_prefetch() == {"float32": 0x10, "bfloat16": 0x6}
-        assert kernels.panel_prefetch("float32") == 0x10
+        assert kernels.tune_prefetch() == chosen
+        assert kernels.panel_prefetching("float32") == {"mask": 0x10, "distance": 4096}
         (kept,) = tmp_path.glob("prefetch_*.json")
-        kept.write_text('{"float32": 4, "bfloat16": 8}')  # another process's measurement
+        other = '{"float32": {"mask": 4, "distance": 8192}, "bfloat16": {"mask": 8, "distance": 65536}}'
+        kept.write_text(other)  # another process's measurement
         kernels.tune_prefetch.cache_clear()
-        assert kernels.tune_prefetch() == {"float32": 4, "bfloat16": 8}
+        assert kernels.tune_prefetch()["float32"] == {"mask": 4, "distance": 8192}
+        kept.write_text('{"float32": 4, "bfloat16": 8}')  # an older revision's format: measured again
+        kernels.tune_prefetch.cache_clear()
+        assert kernels.tune_prefetch() == chosen
         monkeypatch.setenv("MIRROR_TRAIN_PANEL_PREFETCH", "0x1fc")
         kernels.tune_prefetch.cache_clear()
-        assert kernels.tune_prefetch() == {"float32": 0x1FC, "bfloat16": 0x1FC}
+        assert {t: v["mask"] for t, v in kernels.tune_prefetch().items()} == {"float32": 0x1FC, "bfloat16": 0x1FC}
         monkeypatch.setenv("MIRROR_TRAIN_PANEL_PREFETCH", "sometimes")
         kernels.tune_prefetch.cache_clear()
         with pytest.raises(ValueError, match="auto, default or a mask"):
             kernels.tune_prefetch()
     finally:
         kernels.tune_prefetch.cache_clear()
-        for t, mask in before.items():
-            kernels.panel_prefetch(t, mask)
+        for t, prefetching in before.items():
+            kernels._set_prefetching(t, prefetching)
 
 
 @needs_kernel

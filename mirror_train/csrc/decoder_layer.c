@@ -55,6 +55,16 @@ static void linear_served(const float *x, int64_t ldx, const void *w, const floa
               : linear_F32(x, ldx, (const float *)w, b, y, ldy, M, N, K);
 }
 
+/* n linears one after another on the same M input rows (x: M x the largest K, ldx apart; y: M x the largest N, ldy
+   apart; shapes: n (N, K) pairs), each read as (wtype, wpanels 0 or 1) as a decoder layer reads its own: what the
+   per-machine measurements (kernels.layout_times, prefetch_times) time, so that they see the kernels' work over a
+   stack's weights without a Python call a linear (~20 us each, a sizeable part of an 8-row layer's). */
+void linear_many(const float *x, int64_t ldx, int64_t n, const void *const *w, const int64_t *shapes, int wtype,
+                 int wpanels, float *y, int64_t ldy, int64_t M) {
+    for (int64_t i = 0; i < n; i++)
+        linear_served(x, ldx, w[i], NULL, wtype, wpanels, y, ldy, M, shapes[2 * i], shapes[2 * i + 1], NULL);
+}
+
 /* one of the layer's linears, all seven read as (wtype, wpanels) */
 #define LAYER_LINEAR(x, ldx, i, y, ldy, N, K) linear_served(x, ldx, w[i], b[i], wtype, wpanels, y, ldy, M, N, K, pr)
 

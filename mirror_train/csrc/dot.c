@@ -15,6 +15,11 @@ static inline float screen_f32_of(uint16_t h) {
 }
 #if LANES == 16 && defined(__AVX512BF16__)
 int screen_dot(void) { return 1; }
+/* how far ahead a tile prefetches its panels (bytes): the distance the screen was measured with (thirty-fifth
+   session), apart from the exact panels' per-machine one */
+#ifndef DOT_PF
+#define DOT_PF 65536
+#endif
 /* R input rows x C panels; x: R rows of K2 (bf16 pair) words, p: panels of K2 pair vectors, cs apart */
 #define SCREEN_TILE(NAME, R, C)                                                                                    \
 static void NAME(const uint32_t *x, int64_t K2, const uint16_t *p, int64_t cs, float *y, int64_t ldy) {            \
@@ -25,7 +30,7 @@ static void NAME(const uint32_t *x, int64_t K2, const uint16_t *p, int64_t cs, f
         __m512i w[C];                                                                                              \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             w[c] = _mm512_loadu_si512((const void *)(p + c * cs));                                                 \
-            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);   \
+            if (R >= PANEL_PF_FROM) __builtin_prefetch((const char *)(p + c * cs) + DOT_PF, 0, PANEL_PF_HINT);     \
         }                                                                                                          \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                      \
             __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[r * K2 + j]);                                         \

@@ -6,9 +6,12 @@
    differ from the row layout's (LANES partial sums) in the last bits. On an AVX2-only Zen 3 core a one-row step's
    linears took 0.66x and eight rows 0.77x the row layout's time (docs/engine.md, twenty-seventh session): a lone
    weight row's single FMA chain left the row layout's one-row call at ~19 GB/s. The tiles by R (C: as many panels
-   as the registers hold beside R x C sums; one row takes 8 for its 8 independent chains): */
+   as the registers hold beside R x C sums). One row: with AVX-512 a panel at a time, its one chain (a 64-byte load
+   and an FMA every 4 cycles: ~57 GB/s at 3.6 GHz, past one core's read rate) over one contiguous stream, which
+   streamed the testbed's 30 layers at one row in 0.96x the row layout's time on a Zen 4 where 8 panels at once (8
+   chains, 8 streams) took 1.2-1.4x (docs/engine.md, forty-seventh session); with AVX2 (unmeasured so) 8 panels. */
 #if LANES == 16
-#define PC1 8
+#define PC1 1
 #define PC2 8
 #define PC3 6
 #define PC4 4
@@ -34,20 +37,32 @@
 #define VBCAST(p) (*(p))
 #endif
 #define PANEL_CHUNK 24 /* panels a pass over the rows: divisible by every PC, so each row group covers it whole */
-/* Tiles of PANEL_PF_FROM rows and more (by default: panel_prefetch below) prefetch each panel PANEL_PF bytes ahead
-   into L2 (PANEL_PF_HINT); left to the hardware prefetcher they waited on memory. The distance reaches a few panels
-   ahead (a panel is 9-18 KB at K = 576), into the tiles that come next: on Zen 3 64 KB against the 4 KB first tried
-   took float32's 3-6 rows 0.82-0.88x the time and bfloat16's 2-5 rows 0.74-0.79x, 8 rows ~0.97x (docs/engine.md,
-   twenty-eighth session). One row, which streams eight panels at once, ran slower with it. Into L2 (prefetcht1)
-   rather than non-temporal (prefetchnta, as first written): on Zen 4 float32 panels' 2, 4 and 8 rows took 0.82-0.86x
-   the time, bfloat16's 2 and 4 rows 0.72-0.86x (8 rows, compute-bound, the same), the LM head's 8-row screen 0.6-0.7x
+/* Tiles of PANEL_PF_FROM rows and more (by default: panel_prefetch below) prefetch each panel a distance ahead into
+   L2 (PANEL_PF_HINT); left to the hardware prefetcher they waited on memory. The distance reaches panels ahead (a
+   panel is 9-18 KB at K = 576), into the tiles that come next: on Zen 3 64 KB against the 4 KB first tried took
+   float32's 3-6 rows 0.82-0.88x the time and bfloat16's 2-5 rows 0.74-0.79x, 8 rows ~0.97x (docs/engine.md,
+   twenty-eighth session); on Zen 4 256 KB against 64 KB took float32's 8 rows 0.78x and 16 rows 0.86x, where the
+   window's FMAs and the weights' stream each need most of the core and 64 KB left them waiting on each other
+   (forty-seventh session; 128-512 KB alike). The distance is per weight type and measured once per machine
+   (panel_prefetch_distance below, kernels.tune_prefetch); PANEL_PF is where it starts. Into L2 (prefetcht1) rather
+   than non-temporal (prefetchnta, as first written): on Zen 4 float32 panels' 2, 4 and 8 rows took 0.82-0.86x the
+   time, bfloat16's 2 and 4 rows 0.72-0.86x (8 rows, compute-bound, the same), the LM head's 8-row screen 0.6-0.7x
    (docs/engine.md, thirty-fifth session; Zen 3 unmeasured). No change to the arithmetic. */
 #ifndef PANEL_PF_HINT
 #define PANEL_PF_HINT 2
 #endif
 #ifndef PANEL_PF
-#define PANEL_PF 65536
+#define PANEL_PF 262144
 #endif
+#define PANEL_TYPE_F32 0
+#define PANEL_TYPE_BF16 1
+static int64_t panel_pf_dist[2] = {PANEL_PF, PANEL_PF}; /* bytes, per weight type (PANEL_TYPE_*) */
+/* the prefetch distance of weight type t in bytes; bytes >= 0 replaces it first (a multiple of 64, at most 16 MB) */
+int64_t panel_prefetch_distance(int t, int64_t bytes) {
+    if (t < 0 || t > 1) return -1;
+    if (bytes >= 0) panel_pf_dist[t] = (bytes < (1 << 24) ? bytes : (1 << 24)) & ~(int64_t)63;
+    return panel_pf_dist[t];
+}
 #ifndef PANEL_PF_FROM
 #define PANEL_PF_FROM 2
 #endif
@@ -58,8 +73,6 @@
 #define PANEL_PF_DEFAULT (0x1FF & ~((1 << PANEL_PF_FROM) - 1))
 static int64_t panel_pf_mask[2] = {PANEL_PF_DEFAULT, PANEL_PF_DEFAULT};
 #define PANEL_PF_ON(T, r) ((int)((panel_pf_mask[PANEL_TYPE_##T] >> (r)) & 1))
-#define PANEL_TYPE_F32 0
-#define PANEL_TYPE_BF16 1
 /* the mask of weight type t (0 float32, 1 bfloat16); a mask >= 0 replaces it first */
 int64_t panel_prefetch(int t, int64_t mask) {
     if (t < 0 || t > 1) return -1;
@@ -116,7 +129,7 @@ int64_t panel_prefetch(int t, int64_t mask) {
    a 4 x 3 tile 50% slower than the widening loads' tiles (Zen 3, docs/engine.md, twenty-eighth session). */
 #ifndef BPC1
 #if LANES == 16
-#define BPC1 8
+#define BPC1 1 /* one panel at a time, as float32's one row: 0.90x the 8 panels' time (Zen 4, forty-seventh) */
 #define BPC2 8
 #define BPC3 4
 #define BPC4 4
@@ -139,13 +152,13 @@ int64_t panel_prefetch(int t, int64_t mask) {
 #define PTILE_BF16(NAME, R, C, PF)                                                                                   \
 static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, const float *b, float *y, int64_t ldy) { \
     PTILE_OPEN(R, C)                                                                                               \
-    const int64_t cs = BF16_PSTRIDE(K);                                                                            \
+    const int64_t cs = BF16_PSTRIDE(K), ahead = panel_pf_dist[PANEL_TYPE_BF16];                                    \
     int64_t k = 0;                                                                                                 \
     for (; R >= BF16_BY_ROW && k + 2 <= K; k += 2, p += 2 * LANES) {                                               \
         vec lo[C], hi[C];                                                                                          \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             BF16_PAIR(p + c * cs, lo[c], hi[c]);                                                                   \
-            if (PF) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);                   \
+            if (PF) __builtin_prefetch((const char *)(p + c * cs) + ahead, 0, PANEL_PF_HINT);                      \
         }                                                                                                          \
         PTILE_FMA(R, C, lo, k);                                                                                    \
         PTILE_FMA(R, C, hi, k + 1);                                                                                \
@@ -159,7 +172,7 @@ static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, cons
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             vec lo, hi;                                                                                            \
             BF16_PAIR(p + c * cs, lo, hi);                                                                         \
-            if (PF) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);                   \
+            if (PF) __builtin_prefetch((const char *)(p + c * cs) + ahead, 0, PANEL_PF_HINT);                      \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][c] = VFMA(lo, x0[r], acc[r][c]);            \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][c] = VFMA(hi, x1[r], acc[r][c]);            \
         }                                                                                                          \
@@ -182,12 +195,12 @@ static void NAME(const float *x, int64_t ldx, const uint16_t *p, int64_t K, cons
 #define PTILE_F32(NAME, R, C, PF)                                                                                    \
 static void NAME(const float *x, int64_t ldx, const float *p, int64_t K, const float *b, float *y, int64_t ldy) {  \
     PTILE_OPEN(R, C)                                                                                               \
-    const int64_t cs = F32_PSTRIDE(K);                                                                             \
+    const int64_t cs = F32_PSTRIDE(K), ahead = panel_pf_dist[PANEL_TYPE_F32];                                      \
     for (int64_t k = 0; k < K; k++, p += LANES) {                                                                  \
         vec w[C];                                                                                                  \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                      \
             w[c] = F32_LOAD(p + c * cs);                                                                           \
-            if (PF) __builtin_prefetch((const char *)(p + c * cs) + PANEL_PF, 0, PANEL_PF_HINT);                   \
+            if (PF) __builtin_prefetch((const char *)(p + c * cs) + ahead, 0, PANEL_PF_HINT);                      \
         }                                                                                                          \
         PTILE_FMA(R, C, w, k);                                                                                     \
     }                                                                                                              \

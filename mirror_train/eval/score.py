@@ -18,7 +18,15 @@ from mirror_train.eval.questions import TASKS
 BASELINE = "ar"
 
 # what a report says of how the target was served on each machine (fastpath.describe, the prefill's threads)
-SERVED_KEYS = ("fast_path", "layout", "weights_read", "panel_prefetch", "head_screen", "prefill_threads")
+SERVED_KEYS = (
+    "fast_path",
+    "layout",
+    "weights_read",
+    "panel_prefetch",
+    "panel_prefetch_distance",
+    "head_screen",
+    "prefill_threads",
+)
 
 
 def read_answers(path: Path) -> list[dict]:
