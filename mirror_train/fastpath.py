@@ -348,7 +348,8 @@ def describe(model: nn.Module) -> dict:
     """How a model's linears are served, for the records that name where a figure came from: the path (exact,
     onednn, fastest, none), and on the kernels the layout and the dtype their weights are read in (bfloat16 for a
     bf16-valued float32 model's copies: kernels.serve_narrow), on panels which tile heights prefetch (a mask, bit R
-    for R rows) and how many bytes ahead (kernels.tune_prefetch), and the LM head's screen where one is built."""
+    for R rows), how many bytes ahead and how many panels a one-row call streams at once (kernels.tune_prefetch),
+    and the LM head's screen where one is built."""
     kinds = {ExactLinear: "exact", PackedLinear: "onednn", RoutedLinear: "fastest"}
     linears = [m for m in model.modules() if type(m) in kinds]
     if not linears:
@@ -360,9 +361,10 @@ def describe(model: nn.Module) -> dict:
         record["layout"] = "rows" if panels is None else "panels"
         record["weights_read"] = str((rows if panels is None else panels).dtype).removeprefix("torch.")
         if panels is not None and kernels.has("panel_prefetch_distance"):  # how the panels prefetch (measured here)
-            prefetching = kernels.panel_prefetching(record["weights_read"])
-            record["panel_prefetch"] = hex(prefetching["mask"])
-            record["panel_prefetch_distance"] = prefetching["distance"]
+            streaming = kernels.panel_streaming(record["weights_read"])
+            record["panel_prefetch"] = hex(streaming["mask"])
+            record["panel_prefetch_distance"] = streaming["distance"]
+            record["panel_one_row"] = "single" if streaming["single"] else "eight"
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     screen = screened_head.screen_of(head) if isinstance(head, nn.Module) else None
     if screen is not None:  # greedy tokens through it (screened_head.KINDS)

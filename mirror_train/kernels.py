@@ -166,6 +166,8 @@ def _library() -> ctypes.CDLL | None:
         if hasattr(lib, "panel_prefetch_distance"):  # the same
             lib.panel_prefetch_distance.argtypes = [ctypes.c_int, i64]
             lib.panel_prefetch_distance.restype = i64
+            lib.panel_one_row.argtypes = [ctypes.c_int, i64]
+            lib.panel_one_row.restype = i64
         lib.head_scratch_floats.argtypes = [i64] * 4
         lib.head_scratch_floats.restype = i64
     except (OSError, AttributeError):  # not loadable here, or not the library this source builds
@@ -556,48 +558,64 @@ def panel_prefetch_distance(dtype: str, distance: int | None = None) -> int:
     return int(_library().panel_prefetch_distance(PREFETCH_TYPES[dtype], -1 if distance is None else distance))
 
 
-def panel_prefetching(dtype: str) -> dict[str, int]:
-    """What `dtype` panels prefetch now: {"mask": tile heights, "distance": bytes ahead} (`tune_prefetch` sets it)."""
-    return {"mask": panel_prefetch(dtype), "distance": panel_prefetch_distance(dtype)}
+def panel_one_row(dtype: str, single: bool | None = None) -> bool:
+    """Whether a one-row call streams `dtype` panels one at a time (else eight at once), after setting it to
+    `single` if given (csrc/linear_panels.c; the same bits either way)."""
+    return bool(_library().panel_one_row(PREFETCH_TYPES[dtype], -1 if single is None else int(single)))
 
 
-def _set_prefetching(dtype: str, prefetching: dict[str, int]) -> dict[str, int]:
-    panel_prefetch(dtype, int(prefetching["mask"]))
-    panel_prefetch_distance(dtype, int(prefetching["distance"]))
-    return panel_prefetching(dtype)
+STREAMING = {"mask", "distance", "single"}  # what `panel_streaming` reports and `tune_prefetch` sets, per panel type
 
 
-def _valid_prefetching(values: dict) -> bool:
+def panel_streaming(dtype: str) -> dict[str, int]:
+    """How `dtype` panels are streamed now (`tune_prefetch` sets it): {"mask": the tile heights that prefetch,
+    "distance": how many bytes ahead, "single": 1 where a one-row call reads one panel at a time}."""
+    return {
+        "mask": panel_prefetch(dtype),
+        "distance": panel_prefetch_distance(dtype),
+        "single": int(panel_one_row(dtype)),
+    }
+
+
+def _set_streaming(dtype: str, streaming: dict[str, int]) -> dict[str, int]:
+    panel_prefetch(dtype, int(streaming["mask"]))
+    panel_prefetch_distance(dtype, int(streaming["distance"]))
+    panel_one_row(dtype, bool(streaming["single"]))
+    return panel_streaming(dtype)
+
+
+def _valid_streaming(values: dict) -> bool:
     return all(
-        isinstance(v, dict) and set(v) == {"mask", "distance"} and all(isinstance(n, int) for n in v.values())
+        isinstance(v, dict) and set(v) == STREAMING and all(isinstance(n, int) for n in v.values())
         for v in values.values()
     )
 
 
 @functools.cache
 def tune_prefetch() -> dict[str, dict[str, int]]:
-    """Set how panels prefetch, per panel type: which tile heights, and how far ahead (`panel_prefetching`), from
-    $MIRROR_TRAIN_PANEL_PREFETCH: auto (the default) measures both once per machine (`prefetch_times`, kept beside
-    the library); "default" keeps the C source's (from 2 rows, 256 KB ahead); a number (0x1fc) is the mask for both
-    types at the source's distance. Why measure: the prefetch a Zen 4 gained from at 2-8 rows cost the AMX Xeon's 2-
-    and 3-row steps ~1 ms each (docs/engine.md, forty-fourth session), and the distance a Zen 3 chose (64 KB) left a
-    Zen 4's 8-row windows 1.28x slower than 256 KB (forty-seventh). What is set; {} where the kernels (or these
-    functions in them) are not built."""
+    """Set how panels are streamed, per panel type (`panel_streaming`): which tile heights prefetch, how far ahead,
+    and whether a one-row call reads one panel at a time, from $MIRROR_TRAIN_PANEL_PREFETCH: auto (the default)
+    measures them once per machine (`prefetch_times`, kept beside the library); "default" keeps the C source's
+    (from 2 rows, 256 KB ahead, one panel at a time with AVX-512); a number (0x1fc) is the mask for both types, the
+    rest the source's. Why measure: the prefetch a Zen 4 gained from at 2-8 rows cost the AMX Xeon's 2- and 3-row
+    steps ~1 ms each (docs/engine.md, forty-fourth session), and the distance a Zen 3 chose (64 KB) left a Zen 4's
+    8-row windows 1.28x slower than 256 KB (forty-seventh); one panel at a time was measured on a Zen 4 only. What
+    is set; {} where the kernels (or these functions in them) are not built."""
     name = os.environ.get("MIRROR_TRAIN_PANEL_PREFETCH", "auto")
     if not available() or not has("panel_prefetch_distance"):
         return {}
     if name == "default":
-        return {t: panel_prefetching(t) for t in PREFETCH_TYPES}
+        return {t: panel_streaming(t) for t in PREFETCH_TYPES}
     if name == "auto":
-        chosen = per_machine("prefetch", prefetch_times, set(PREFETCH_TYPES), valid=_valid_prefetching)
+        chosen = per_machine("prefetch", prefetch_times, set(PREFETCH_TYPES), valid=_valid_streaming)
     else:
         try:
             mask = int(name, 0)
         except ValueError:
             message = f"MIRROR_TRAIN_PANEL_PREFETCH must be auto, default or a mask (0x1fc), got {name!r}"
             raise ValueError(message) from None
-        chosen = {t: {"mask": mask, "distance": panel_prefetch_distance(t)} for t in PREFETCH_TYPES}
-    return {t: _set_prefetching(t, v) for t, v in chosen.items()}
+        chosen = {t: panel_streaming(t) | {"mask": mask} for t in PREFETCH_TYPES}
+    return {t: _set_streaming(t, v) for t, v in chosen.items()}
 
 
 @functools.cache
@@ -656,30 +674,31 @@ DISTANCE_ROWS = (4, 8)
 
 
 def prefetch_times(rounds: int = 5, layers: int = PREFETCH_LAYERS) -> dict[str, dict[str, int]]:
-    """Per panel type, how its tiles prefetch over `layers` decoder layers' linears (the testbed's shapes), medians
-    of alternating rounds, one thread: first the distance (of PREFETCH_DISTANCES, the fastest in sum over
-    DISTANCE_ROWS, those heights prefetching), then at that distance the mask of tile heights that took less time
+    """Per panel type, how its panels stream fastest over `layers` decoder layers' linears (the testbed's shapes),
+    medians of alternating rounds, one thread, each round's linears in one C call (`LinearList`): whether a one-row
+    call reads one panel at a time or eight; the prefetch distance (of PREFETCH_DISTANCES, the fastest in sum over
+    DISTANCE_ROWS, those heights prefetching); at that distance the mask of tile heights that took less time
     prefetching than not (PREFETCH_ROWS measured, PREFETCH_ALWAYS set). One type's panels at a time (~230 MB of
     float32 ones held at most). What was in force before is restored."""
     import statistics
     import time
 
     gen = torch.Generator().manual_seed(1)
-    heights = sorted({*PREFETCH_ROWS, *DISTANCE_ROWS})
+    heights = sorted({1, *PREFETCH_ROWS, *DISTANCE_ROWS})
     x = torch.rand(max(heights), max(k for _, k in PREFETCH_SHAPES), generator=gen)
     inputs = {r: x[:r].contiguous() for r in heights}  # outside the timing
-    before = {t: panel_prefetching(t) for t in PREFETCH_TYPES}
+    before = {t: panel_streaming(t) for t in PREFETCH_TYPES}
     chosen = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
 
     def medians(stack: LinearList, t: str, settings: dict) -> dict:
-        """Median ms per setting, settings: key -> (rows, mask, distance), every key timed in turn each round."""
+        """Median ms per setting, settings: key -> (rows, mask, distance, single), each timed in turn each round."""
         times: dict = {key: [] for key in settings}
         with torch.inference_mode():
             for _ in range(rounds + 1):  # the first round warms
-                for key, (r, mask, distance) in settings.items():
-                    _set_prefetching(t, {"mask": mask, "distance": distance})
+                for key, (r, mask, distance, single) in settings.items():
+                    _set_streaming(t, {"mask": mask, "distance": distance, "single": single})
                     start = time.perf_counter()
                     stack(inputs[r])
                     times[key].append((time.perf_counter() - start) * 1e3)
@@ -693,16 +712,20 @@ def prefetch_times(rounds: int = 5, layers: int = PREFETCH_LAYERS) -> dict[str, 
             panels = alignment.pack([to_panels((torch.rand(shape, generator=gen) - 0.5).to(dtype)) for shape in shapes])
             meta = [torch.empty(shape, device="meta") for shape in shapes]
             stack = LinearList(list(zip(meta, panels, strict=True)))
-            med = medians(stack, t, {(r, d): (r, 1 << r, d) for r in DISTANCE_ROWS for d in PREFETCH_DISTANCES})
+            single = medians(stack, t, {on: (1, 0, PREFETCH_DISTANCES[0], on) for on in (0, 1)})
+            single = int(single[1] < single[0])
+            med = medians(stack, t, {(r, d): (r, 1 << r, d, single) for r in DISTANCE_ROWS for d in PREFETCH_DISTANCES})
             distance = min(PREFETCH_DISTANCES, key=lambda d: sum(med[(r, d)] for r in DISTANCE_ROWS))
-            med = medians(stack, t, {(r, on): (r, (1 << r) * on, distance) for r in PREFETCH_ROWS for on in (0, 1)})
+            med = medians(
+                stack, t, {(r, on): (r, (1 << r) * on, distance, single) for r in PREFETCH_ROWS for on in (0, 1)}
+            )
             mask = sum(1 << r for r in PREFETCH_ROWS if med[(r, 1)] < med[(r, 0)]) | PREFETCH_ALWAYS
-            chosen[t] = {"mask": mask, "distance": distance}
+            chosen[t] = {"mask": mask, "distance": distance, "single": single}
             del panels, stack
     finally:
         torch.set_num_threads(threads)
         for t, prefetching in before.items():
-            _set_prefetching(t, prefetching)
+            _set_streaming(t, prefetching)
     return chosen
 
 

@@ -192,6 +192,7 @@ def main() -> None:
         "kernel_layout": served.get("layout"),
         "panel_prefetch": served.get("panel_prefetch"),  # tile heights that prefetch, and how far (kernels.py)
         "panel_prefetch_distance": served.get("panel_prefetch_distance"),
+        "panel_one_row": served.get("panel_one_row"),
         "values": args.values,  # the float32 weights' values: their own, or rounded to bfloat16 / float16 ones
         "weights_read": served.get("weights_read"),  # the dtype the fast path reads them in (kernels.serve_narrow)
         "context": args.context,

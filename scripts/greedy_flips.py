@@ -51,6 +51,7 @@ def run(args) -> dict:
         "head_screen": served.get("head_screen"),  # greedy tokens through the LM head's screen (screened_head.py)
         "panel_prefetch": served.get("panel_prefetch"),
         "panel_prefetch_distance": served.get("panel_prefetch_distance"),
+        "panel_one_row": served.get("panel_one_row"),
         "records": records,
     }
     with torch.inference_mode():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import json
 import os
 import platform
 import re
@@ -134,15 +135,16 @@ def test_how_panels_prefetch_is_measured_per_machine_and_never_changes_the_bits(
     per machine (kept beside the library: another process's file is read, not measured again; an invalid one is
     measured again), or the mask set from $MIRROR_TRAIN_PANEL_PREFETCH, whose bad value is a clear error."""
     g = torch.Generator().manual_seed(4)
-    before = {t: kernels.panel_prefetching(t) for t in kernels.PREFETCH_TYPES}
+    before = {t: kernels.panel_streaming(t) for t in kernels.PREFETCH_TYPES}
     try:
         for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
             w = torch.randn(100, 70, generator=g).to(dtype)
             panels, x = kernels.to_panels(w), torch.randn(8, 70, generator=g)
             outs = []
-            for mask, distance in ((0, 65536), (0x1FE, 65536), (0x1FE, 262144), (0x1FE, 64)):
+            for mask, distance, single in ((0, 65536, 0), (0x1FE, 65536, 1), (0x1FE, 262144, 0), (0x1FE, 64, 1)):
                 assert kernels.panel_prefetch(name, mask) == mask
                 assert kernels.panel_prefetch_distance(name, distance) == distance
+                assert kernels.panel_one_row(name, bool(single)) == bool(single)
                 outs.append([kernels.linear(x[:r], w, panels=panels) for r in range(1, 9)])
             assert all(torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out, strict=True))
             assert kernels.panel_prefetch_distance(name, 100) == 64  # whole cache lines
@@ -154,28 +156,31 @@ def test_how_panels_prefetch_is_measured_per_machine_and_never_changes_the_bits(
                 wide.data_ptr(), 70, 1, stack._pointers, stack._shapes, stack.wtype, 1, y.data_ptr(), 100, 8
             )
             assert torch.equal(y, kernels.linear(wide, w, panels=panels))
-        current = {t: kernels.panel_prefetching(t) for t in kernels.PREFETCH_TYPES}
+        current = {t: kernels.panel_streaming(t) for t in kernels.PREFETCH_TYPES}
         measured = kernels.prefetch_times(rounds=1, layers=2)
         assert set(measured) == set(kernels.PREFETCH_TYPES)
         masks = [v["mask"] for v in measured.values()]
         assert all(0 <= m < 512 and not m & 1 and m & kernels.PREFETCH_ALWAYS for m in masks)
-        assert all(v["distance"] in kernels.PREFETCH_DISTANCES for v in measured.values())
-        assert {t: kernels.panel_prefetching(t) for t in kernels.PREFETCH_TYPES} == current  # restored after
+        assert all(v["distance"] in kernels.PREFETCH_DISTANCES and v["single"] in (0, 1) for v in measured.values())
+        assert {t: kernels.panel_streaming(t) for t in kernels.PREFETCH_TYPES} == current  # restored after
         monkeypatch.setenv("MIRROR_TRAIN_KERNELS", str(tmp_path))  # the loaded library stays; the choice kept here
         monkeypatch.setenv("MIRROR_TRAIN_PANEL_PREFETCH", "auto")
-        chosen = {"float32": {"mask": 0x10, "distance": 4096}, "bfloat16": {"mask": 0x6, "distance": 131072}}
+        chosen = {
+            "float32": {"mask": 0x10, "distance": 4096, "single": 0},
+            "bfloat16": {"mask": 0x6, "distance": 131072, "single": 1},
+        }
         monkeypatch.setattr(kernels, "prefetch_times", lambda: chosen)
         kernels.tune_prefetch.cache_clear()
         assert kernels.tune_prefetch() == chosen
-        assert kernels.panel_prefetching("float32") == {"mask": 0x10, "distance": 4096}
+        assert kernels.panel_streaming("float32") == {"mask": 0x10, "distance": 4096, "single": 0}
         (kept,) = tmp_path.glob("prefetch_*.json")
-        other = '{"float32": {"mask": 4, "distance": 8192}, "bfloat16": {"mask": 8, "distance": 65536}}'
-        kept.write_text(other)  # another process's measurement
+        other = {t: {"mask": 4, "distance": 8192, "single": 1} for t in kernels.PREFETCH_TYPES}
+        kept.write_text(json.dumps(other))  # another process's measurement
         kernels.tune_prefetch.cache_clear()
-        assert kernels.tune_prefetch()["float32"] == {"mask": 4, "distance": 8192}
-        kept.write_text('{"float32": 4, "bfloat16": 8}')  # an older revision's format: measured again
+        assert kernels.tune_prefetch() == other
+        kept.write_text('{"float32": {"mask": 4, "distance": 8192}, "bfloat16": {"mask": 8, "distance": 64}}')
         kernels.tune_prefetch.cache_clear()
-        assert kernels.tune_prefetch() == chosen
+        assert kernels.tune_prefetch() == chosen  # an older revision's file, without "single": measured again
         monkeypatch.setenv("MIRROR_TRAIN_PANEL_PREFETCH", "0x1fc")
         kernels.tune_prefetch.cache_clear()
         assert {t: v["mask"] for t, v in kernels.tune_prefetch().items()} == {"float32": 0x1FC, "bfloat16": 0x1FC}
@@ -186,7 +191,7 @@ def test_how_panels_prefetch_is_measured_per_machine_and_never_changes_the_bits(
     finally:
         kernels.tune_prefetch.cache_clear()
         for t, prefetching in before.items():
-            kernels._set_prefetching(t, prefetching)
+            kernels._set_streaming(t, prefetching)
 
 
 @needs_kernel

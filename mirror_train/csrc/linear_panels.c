@@ -6,12 +6,10 @@
    differ from the row layout's (LANES partial sums) in the last bits. On an AVX2-only Zen 3 core a one-row step's
    linears took 0.66x and eight rows 0.77x the row layout's time (docs/engine.md, twenty-seventh session): a lone
    weight row's single FMA chain left the row layout's one-row call at ~19 GB/s. The tiles by R (C: as many panels
-   as the registers hold beside R x C sums). One row: with AVX-512 a panel at a time, its one chain (a 64-byte load
-   and an FMA every 4 cycles: ~57 GB/s at 3.6 GHz, past one core's read rate) over one contiguous stream, which
-   streamed the testbed's 30 layers at one row in 0.96x the row layout's time on a Zen 4 where 8 panels at once (8
-   chains, 8 streams) took 1.2-1.4x (docs/engine.md, forty-seventh session); with AVX2 (unmeasured so) 8 panels. */
+   as the registers hold beside R x C sums; one row takes 8 for its 8 independent chains, or one panel at a time:
+   panel_one_row below). */
 #if LANES == 16
-#define PC1 1
+#define PC1 8
 #define PC2 8
 #define PC3 6
 #define PC4 4
@@ -79,6 +77,19 @@ int64_t panel_prefetch(int t, int64_t mask) {
     if (mask >= 0) panel_pf_mask[t] = mask & 0x1FF;
     return panel_pf_mask[t];
 }
+/* How a one-row call streams its panels, per weight type: one at a time (1: its one chain, a 64-byte load and an FMA
+   every 4 cycles, ~57 GB/s at 3.6 GHz, past one core's read rate, over one contiguous stream the hardware prefetcher
+   follows) or PC1 at once (0: PC1 chains, PC1 streams). On a Zen 4 one at a time streamed the testbed's 30 layers
+   in 0.96x the row layout's time where 8 at once took 1.2-1.4x (docs/engine.md, forty-seventh session); measured
+   once per machine (kernels.tune_prefetch), one at a time where it starts with AVX-512. Either way each output is
+   the same chain over k, so no bit changes. */
+static int64_t panel_single[2] = {LANES == 16, LANES == 16};
+/* the one-row streaming of weight type t (1 one panel at a time, 0 PC1 at once); single >= 0 replaces it first */
+int64_t panel_one_row(int t, int64_t single) {
+    if (t < 0 || t > 1) return -1;
+    if (single >= 0) panel_single[t] = single != 0;
+    return panel_single[t];
+}
 /* bfloat16 panels hold k-pairs: lane l's 32-bit word of pair j is (w[2j] low, w[2j+1] high) (`kernels.to_panels`;
    an odd K's last high half is 0 and never read). One vector load then widens to two weight vectors with one
    shift and one and (w[2j+1] is already its float32 bits once the low half is masked), where loading 8 bf16
@@ -129,7 +140,7 @@ int64_t panel_prefetch(int t, int64_t mask) {
    a 4 x 3 tile 50% slower than the widening loads' tiles (Zen 3, docs/engine.md, twenty-eighth session). */
 #ifndef BPC1
 #if LANES == 16
-#define BPC1 1 /* one panel at a time, as float32's one row: 0.90x the 8 panels' time (Zen 4, forty-seventh) */
+#define BPC1 8
 #define BPC2 8
 #define BPC3 4
 #define BPC4 4
@@ -228,6 +239,15 @@ static const T##_prow_fn T##_PROWS[2][9] = {                                    
      T##_ptile_7_np, T##_ptile_8_np},                                                                             \
     {0, T##_ptile_1_pf, T##_ptile_2_pf, T##_ptile_3_pf, T##_ptile_4_pf, T##_ptile_5_pf, T##_ptile_6_pf,           \
      T##_ptile_7_pf, T##_ptile_8_pf}};                                                                            \
+static void T##_ptile_1_single(const float *x, int64_t ldx, const WT *p, int64_t K, const float *b, float *y,      \
+                               int64_t ldy, int64_t panels) {                                                      \
+    for (int64_t c = 0; c < panels; c++)                                                                           \
+        T##_ptile_1_one_np(x, ldx, p + c * T##_PSTRIDE(K), K, b ? b + c * LANES : 0, y + c * LANES, ldy);         \
+}                                                                                                                  \
+/* the tiles for r rows: a one-row call's one panel at a time where panel_one_row says so */                      \
+static inline T##_prow_fn T##_prow(int64_t r) {                                                                    \
+    return r == 1 && panel_single[PANEL_TYPE_##T] ? T##_ptile_1_single : T##_PROWS[PANEL_PF_ON(T, r)][r];          \
+}                                                                                                                  \
 void linear_panels_##T(const float *x, int64_t ldx, const WT *p, const float *b, float *y, int64_t ldy, int64_t M, \
                        int64_t N, int64_t K) {                                                                     \
     /* p: the panels of an N x K weight (N rounded up to LANES), b: N biases or NULL. Whole panels straight into y; \
@@ -237,8 +257,8 @@ void linear_panels_##T(const float *x, int64_t ldx, const WT *p, const float *b,
         int64_t panels = full - c0 < PANEL_CHUNK ? full - c0 : PANEL_CHUNK;                                        \
         for (int64_t m = 0; m < M; m += 8) {                                                                       \
             int64_t r = M - m < 8 ? M - m : 8;                                                                     \
-            T##_PROWS[PANEL_PF_ON(T, r)][r](x + m * ldx, ldx, p + c0 * T##_PSTRIDE(K), K,                        \
-                                            b ? b + c0 * LANES : 0, y + m * ldy + c0 * LANES, ldy, panels);        \
+            T##_prow(r)(x + m * ldx, ldx, p + c0 * T##_PSTRIDE(K), K, b ? b + c0 * LANES : 0,                     \
+                        y + m * ldy + c0 * LANES, ldy, panels);                                                    \
         }                                                                                                          \
     }                                                                                                              \
     int64_t rest = N - full * LANES;                                                                               \
@@ -247,8 +267,7 @@ void linear_panels_##T(const float *x, int64_t ldx, const WT *p, const float *b,
         for (int64_t i = 0; i < LANES; i++) bias[i] = b && i < rest ? b[full * LANES + i] : 0.0f;                  \
         for (int64_t m = 0; m < M; m += 8) {                                                                       \
             int64_t r = M - m < 8 ? M - m : 8;                                                                     \
-            T##_PROWS[PANEL_PF_ON(T, r)][r](x + m * ldx, ldx, p + full * T##_PSTRIDE(K), K, b ? bias : 0, buf,   \
-                                            LANES, 1);                                                             \
+            T##_prow(r)(x + m * ldx, ldx, p + full * T##_PSTRIDE(K), K, b ? bias : 0, buf, LANES, 1);             \
             for (int64_t j = 0; j < r; j++)                                                                        \
                 for (int64_t i = 0; i < rest; i++) y[(m + j) * ldy + full * LANES + i] = buf[j * LANES + i];       \
         }                                                                                                          \

@@ -24,6 +24,7 @@ SERVED_KEYS = (
     "weights_read",
     "panel_prefetch",
     "panel_prefetch_distance",
+    "panel_one_row",
     "head_screen",
     "prefill_threads",
 )
