@@ -200,8 +200,9 @@ class LinearList:
         self.k, self.n = max(k for _, k in shapes), max(n for n, _ in shapes)
         self.count = len(shapes)
 
-    def __call__(self, x: torch.Tensor) -> None:
-        """Every linear on x (rows x the largest K, contiguous float32); the outputs are scratch."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Every linear on x (rows x the largest K, contiguous float32), each writing its outputs over the one
+        before's: returns (rows, the largest N), the last linear's outputs in its first N columns."""
         y = torch.empty(x.shape[0], self.n)
         _library().linear_many(
             x.data_ptr(),
@@ -215,6 +216,7 @@ class LinearList:
             self.n,
             x.shape[0],
         )
+        return y
 
 
 def linear(

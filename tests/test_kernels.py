@@ -149,13 +149,11 @@ def test_how_panels_prefetch_is_measured_per_machine_and_never_changes_the_bits(
             assert all(torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out, strict=True))
             assert kernels.panel_prefetch_distance(name, 100) == 64  # whole cache lines
             # the per-machine measurements' C loop: each linear's output is the one a call of its own gives
-            stack = kernels.LinearList([(w, panels), (w[:33], kernels.to_panels(w[:33]))])
             wide = torch.randn(8, 70, generator=g)
-            y = torch.empty(8, 100)
-            kernels._library().linear_many(
-                wide.data_ptr(), 70, 1, stack._pointers, stack._shapes, stack.wtype, 1, y.data_ptr(), 100, 8
-            )
-            assert torch.equal(y, kernels.linear(wide, w, panels=panels))
+            for read in (panels, None):
+                first = (w[:33], None if read is None else kernels.to_panels(w[:33]))
+                stack = kernels.LinearList([first, (w, read)])
+                assert torch.equal(stack(wide), kernels.linear(wide, w, panels=read))
         current = {t: kernels.panel_streaming(t) for t in kernels.PREFETCH_TYPES}
         measured = kernels.prefetch_times(rounds=1, layers=2)
         assert set(measured) == set(kernels.PREFETCH_TYPES)
