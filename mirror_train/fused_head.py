@@ -156,16 +156,26 @@ def _view(head: nn.Module) -> tuple:
 
 
 def window_candidates(
-    head: nn.Module, hidden: torch.Tensor, index: torch.Tensor, kappa: int, outside_logp: float
+    head: nn.Module,
+    hidden: torch.Tensor,
+    index: torch.Tensor,
+    kappa: int,
+    outside_logp: float,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[list[float]], list[float]] | None:
     """For a marked head: (each row's top-κ logit indices (M, κ), their log-probs, the log-prob of each window token
     at logit index `index` (W ≤ M; -1: outside the head's logits, `outside_logp`)), or None where the call does not
-    apply (not marked, another device, a row not finite)."""
+    apply (not marked, another device, a row not finite). noise: (M, the head's logits) added to the logits first
+    (`ProxyHead.window_candidates`)."""
     if "_fused_head" not in head.__dict__ or hidden.device.type != "cpu":
         return None
     view = _view(head)
     rows = hidden.reshape(-1, hidden.shape[-1]).to(torch.float32).contiguous()
     m, h = rows.shape
+    if noise is not None:
+        noise = noise.to(torch.float32).contiguous()
+        if noise.shape != (m, view["vocab"]):
+            raise ValueError(f"noise of shape {tuple(noise.shape)} for {m} rows of {view['vocab']} logits")
     index = index.to(torch.int64).contiguous()
     lib = kernels._library()
     scratch = torch.empty(lib.head_scratch_floats(m, h, view["inter"], view["vocab"]), dtype=torch.float32)
@@ -188,6 +198,8 @@ def window_candidates(
         view["inter"],
         view["vocab"],
         view["softcap"],
+        noise.data_ptr() if noise is not None else None,
+        view["vocab"],
         kappa,
         index.data_ptr(),
         index.numel(),

@@ -145,11 +145,14 @@ def _library() -> ctypes.CDLL | None:
             lib.linear_many.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, i64, i64]
             lib.linear_many.restype = None
         # x, M, H, pre, pre_eps, fin, fin_eps, weights[3], wtypes[3], wpanels[3], wscales[3], wsums[3], I, V,
-        # softcap, kappa, window, W, outside_logp, top ids, top log-probs, window log-probs, scratch
+        # softcap, noise, ldn, kappa, window, W, outside_logp, top ids, top log-probs, window log-probs, scratch
         f32 = ctypes.c_float
         lib.proxy_head_f32.argtypes = [ptr, i64, i64, ptr, f32, ptr, f32, ptr, ptr, ptr, ptr, ptr, i64, i64, f32]
-        lib.proxy_head_f32.argtypes += [i64, ptr, i64, f32, ptr, ptr, ptr, ptr]
+        lib.proxy_head_f32.argtypes += [ptr, i64, i64, ptr, i64, f32, ptr, ptr, ptr, ptr]
         lib.proxy_head_f32.restype = ctypes.c_int
+        if hasattr(lib, "gumbel_noise"):  # seed, positions, n, V, temperature, out (an older revision's has none)
+            lib.gumbel_noise.argtypes = [ctypes.c_uint64, ptr, i64, i64, ctypes.c_double, ptr]
+            lib.gumbel_noise.restype = None
         lib.q8_dot.restype = ctypes.c_int
         if hasattr(lib, "screen_q8_built"):  # an older revision's library (bench_target.py --baseline) has none
             lib.screen_q8_built.restype = ctypes.c_int
@@ -282,6 +285,15 @@ def screen_dot() -> bool:
 def q8_dot() -> bool:
     """Whether AVX512-VNNI's dot product of byte quads is built here (`linear_q8.c`: a proxy head's int8 copy)."""
     return bool(_library().q8_dot())
+
+
+def gumbel_noise(seed: int, positions: list[int], vocab: int, temperature: float) -> torch.Tensor:
+    """(len(positions), vocab) float32: T times Gumbel noise a row a position (csrc/noise.c; the function
+    `acceptance.sample_noise` defines)."""
+    out = torch.empty(len(positions), vocab, dtype=torch.float32)
+    index = torch.tensor(positions, dtype=torch.int64)
+    _library().gumbel_noise(seed % 2**64, index.data_ptr(), len(positions), vocab, temperature, out.data_ptr())
+    return out
 
 
 def screen_q8() -> bool:

@@ -258,6 +258,13 @@ def main() -> None:
         help="the target's precision, every method alike (lossless is against this target's own output)",
     )
     ap.add_argument("--exit-layer", type=int, default=None)
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=d.temperature,
+        help="0: greedy; else every method samples at this temperature with the same seed (ar's samples are the "
+        "reference each method must equal, and the synthetic draft replays them)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.repeats < 1:
@@ -280,6 +287,7 @@ def main() -> None:
         adaptive_window=args.adaptive_window,
         lookup_roots=args.lookup_roots,
         fast_path=args.fast_path,
+        temperature=args.temperature,
     )
     result = {"args": vars(args), "config": asdict(base), "prompts": [p.id for _, p in prompts], "cpu": cpu_model()}
 

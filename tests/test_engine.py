@@ -97,6 +97,40 @@ def test_truncate_keeps_the_stop_token_and_honours_max_new_tokens():
     assert truncate([1, 2, 3], {2}, 2) == ([1, 2], True)
 
 
+def test_sampling_noise_is_gumbel_and_a_function_of_seed_and_position_alone():
+    """acceptance.sample_noise: T times standard Gumbel noise (a Kolmogorov–Smirnov test over 30,000 values, the
+    mean and variance), the same row for the same (seed, position) whatever else is drawn beside it, and rows of
+    other positions or seeds independent of it (correlation near 0)."""
+    from scipy.stats import kstest
+
+    from mirror_train.engine.acceptance import sample_noise
+
+    g = sample_noise(1000, 1.0, 5, range(30)).double().flatten()
+    assert kstest(g.numpy(), "gumbel_r").pvalue > 1e-3
+    assert abs(g.mean().item() - 0.5772) < 0.03 and abs(g.var().item() - math.pi**2 / 6) < 0.08
+    rows = sample_noise(1000, 0.5, 5, [3, 7, 3])
+    torch.testing.assert_close(rows[0], rows[2], rtol=0, atol=0)
+    torch.testing.assert_close(rows[0], sample_noise(1000, 0.5, 5, [3])[0], rtol=0, atol=0)
+    torch.testing.assert_close(rows[0] * 2, sample_noise(1000, 1.0, 5, [3])[0], rtol=1e-6, atol=1e-6)
+    others = [rows[1], sample_noise(1000, 0.5, 6, [3])[0], sample_noise(1000, 0.5, 2**63, [3])[0]]
+    for other in others:
+        assert abs(torch.corrcoef(torch.stack([rows[0], other]))[0, 1].item()) < 0.12
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler here to build the kernels")
+def test_sampling_noise_in_c_has_the_bits_of_its_torch_version(monkeypatch):
+    """The target's and the draft's processes must draw the same noise: csrc/noise.c and acceptance.py's torch
+    version (where no kernel builds) are one function, bit for bit, at any seed (negative, past 2^63), position and
+    vocabulary size (one not a multiple of the vector width)."""
+    from mirror_train.engine import acceptance
+
+    cases = [(0, [0, 1, 2]), (-1, [5]), (2**63 + 7, [10**6, 2**40]), (123, [17, 0])]
+    fast = [acceptance.sample_noise(1003, 0.7, seed, positions) for seed, positions in cases]
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    for (seed, positions), got in zip(cases, fast):
+        torch.testing.assert_close(got, acceptance.sample_noise(1003, 0.7, seed, positions), rtol=0, atol=0)
+
+
 def test_rank_branches_orders_by_probability_and_skips_the_spine():
     """score(r, c) = P(A ≥ r) · (1 − a_r) / (1 − p(d_{r+1} | r)) · p(c | r), a_r = accept_prob (branches.py)."""
     window = [5, 7]
@@ -875,6 +909,34 @@ def test_sampling_follows_the_targets_distribution(peaked_target):
     assert accepted > 0  # drafted tokens were kept, so the acceptance path was exercised
     for i, probs in enumerate(exact_marginals(peaked_target.model, prompt, SAMPLED_LEN)):
         assert chi_square_p(counts[i].double(), probs) > 1e-3, (i, counts[i], probs * SAMPLES)
+
+
+@pytest.mark.parametrize("head_placement", ["target", "draft"])
+def test_at_t_above_0_the_heads_candidates_are_ranked_under_the_targets_noise(head_placement):
+    """At T > 0 the target's token is argmax(logits + T·G) with G the noise of its output position, which the engine
+    knows before the logits: the proxy head ranks its own logits plus that noise (ProxyHead.window_candidates). A
+    target and head whose logits are all zero make the sample argmax(T·G) exactly and the head's top candidate the
+    same id, so c* is among the candidates at every step where the head reads the right positions' noise; ranked
+    on the head's logits alone (or another position's noise) it would be there ~κ / V of the time."""
+    tok = tiny_tokenizer()
+    model = tiny_model("llama", layers=4, vocab=len(tok))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.zero_()
+    flat = Target(model, tok, "tiny")
+    prompt = [3, 1, 4, 1, 5]
+    cfg = EngineConfig(
+        kappa=4, gamma=3, branch_budget=4, temperature=1.0, seed=3, placement="local", head_placement=head_placement
+    )
+    cfg.ngram_tokens, cfg.adaptive_window, cfg.datastore = 0, False, "off"
+    with MirrorEngine(flat, None, None, cfg) as engine:
+        ar = engine.generate(prompt, 24, method="ar", stop=[]).tokens
+    assert len(set(ar)) > 3  # the samples vary: not one id a greedy head would name anyway
+    synthetic = SyntheticDraftConfig(acceptance=0.5, forward_ms=0.0)
+    with MirrorEngine(flat, proxy_head(flat, "mlp"), synthetic, cfg) as engine:
+        g = engine.generate(prompt, 24, method="mirror", stop=[], reference=ar)
+    assert g.tokens == ar
+    hits = [s.hit for s in g.steps if s.hit is not None]
+    assert len(hits) >= 5 and all(hits), hits
 
 
 # --- bad input -----------------------------------------------------------------------------------------------

@@ -218,7 +218,8 @@ def test_a_heads_candidates_in_one_c_call_are_torchs(kind, dtype, restricted, ta
     """A head served on the draft's side answers `window_candidates` in one C call (fused_head.py) where its kind
     allows (mlp, lens; a residual head keeps torch's path): the same top-κ, log-probs and window log-probs as the
     torch path, to float32 rounding (bfloat16 weights: the C call's activations stay float32, torch's do not, so
-    near-ties may swap), a window token outside a restricted vocabulary at OUTSIDE_LOGP."""
+    near-ties may swap), a window token outside a restricted vocabulary at OUTSIDE_LOGP; at T > 0 (noise, the
+    target's sampling noise over its whole vocabulary) both rank the logits plus the noise at the head's own ids."""
     from mirror_train import fastpath, fused_head
     from mirror_train.models.proxy_head import OUTSIDE_LOGP, HeadEnd
 
@@ -231,18 +232,21 @@ def test_a_heads_candidates_in_one_c_call_are_torchs(kind, dtype, restricted, ta
     assert ("_fused_head" in head.__dict__) == (kind != "residual")
     hidden = (torch.randn(5, target.hidden_size, generator=g) * 2).to(dtype)
     window = [3, 4, 5, 127]  # 4: outside the restricted vocabulary
-    fused = head.window_candidates(hidden, window, 8)
+    noise = torch.randn(5, target.vocab_size, generator=g) * 3
+    fused = [head.window_candidates(hidden, window, 8, noise=n) for n in (None, noise)]
     head.__dict__.pop("_fused_head", None)
-    plain = head.window_candidates(hidden, window, 8)
+    plain = [head.window_candidates(hidden, window, 8, noise=n) for n in (None, noise)]
     tol = 1e-4 if dtype == torch.float32 else 0.1
-    for got, want in zip(fused[1], plain[1]):
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=tol, rtol=0)
-    torch.testing.assert_close(torch.tensor(fused[2]), torch.tensor(plain[2]), atol=tol, rtol=0)
-    if restricted:
-        assert fused[2][1] == OUTSIDE_LOGP
-    overlap = sum(len(set(a) & set(b)) for a, b in zip(fused[0], plain[0])) / (5 * 8)
-    assert overlap == 1.0 if dtype == torch.float32 else overlap >= 0.9
-    assert all(i in (ids.tolist() if restricted else range(128)) for row in fused[0] for i in row)
+    for one, other in zip(fused, plain):
+        for got, want in zip(one[1], other[1]):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=tol, rtol=0)
+        torch.testing.assert_close(torch.tensor(one[2]), torch.tensor(other[2]), atol=tol, rtol=0)
+        if restricted:
+            assert one[2][1] == OUTSIDE_LOGP
+        overlap = sum(len(set(a) & set(b)) for a, b in zip(one[0], other[0])) / (5 * 8)
+        assert overlap == 1.0 if dtype == torch.float32 else overlap >= 0.9
+        assert all(i in (ids.tolist() if restricted else range(128)) for row in one[0] for i in row)
+    assert fused[0][0] != fused[1][0]  # the noise moved the candidates
     assert not fused_head.install(ProxyHead(ProxyHeadConfig(kind="attention", exit_layer=2), target.hidden_size))
 
 

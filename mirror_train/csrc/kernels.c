@@ -14,3 +14,4 @@ int kernel_lanes(void) { return LANES; }
 #include "screen_q8.c"     /* the LM head's screen in int8, each input row in two bytes a value; on AMX tiles */
 #include "screen_argmax.c" /* greedy tokens through the LM head's screen (screened_head.py) */
 #include "proxy_head.c"    /* a per-position proxy head's candidates in one call */
+#include "noise.c"         /* the target's sampling noise, a row a position */

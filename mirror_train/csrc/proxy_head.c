@@ -61,8 +61,12 @@ static void head_top(const float *l, int64_t n, int64_t kappa, int64_t *ids, flo
    the row scales and sums of an int8 one, wtype 3); fc1 NULL: no
    adapter (the lens). pre: the adapter's norm weight (float32, H) and pre_eps, fin: the final norm's. softcap > 0:
    logits capped as cap tanh(l / cap). window: W <= M indices into the V logits (-1: outside them), row j's drafted
-   token's; window_logp gets each one's log-prob (outside_logp for -1). Returns 0, or -1 (kappa out of range, W > M
-   or a row's logits not finite: the caller takes torch's path). top_ids, top_logp: M x kappa. scratch: head_scratch_floats(). */
+   token's; window_logp gets each one's log-prob (outside_logp for -1). noise (M x V, ldn apart; NULL at T = 0): the
+   target's sampling noise at each row's output position (T times its Gumbel noise, read at the head's V ids), added
+   to the logits before all of it: the target's sample there is argmax(logits + noise), so the candidates are the
+   ones the proxy expects that sample to be, and their log-probs its odds under that noise. Returns 0, or -1 (kappa
+   out of range, W > M or a row's logits not finite: the caller takes torch's path). top_ids, top_logp: M x kappa.
+   scratch: head_scratch_floats(). */
 int64_t head_scratch_floats(int64_t M, int64_t H, int64_t I, int64_t V) {
     return M * (3 * H + I + V) + M * ((H > I ? H : I) + 1) / 2 + 64;
 }
@@ -70,8 +74,8 @@ int64_t head_scratch_floats(int64_t M, int64_t H, int64_t I, int64_t V) {
 int proxy_head_f32(const float *x, int64_t M, int64_t H, const float *pre, float pre_eps, const float *fin,
                    float fin_eps, const void *const *w, const int *wtypes, const int *wpanels, const float *const *wscales,
                    const int32_t *const *wsums, int64_t I, int64_t V,
-                   float softcap, int64_t kappa, const int64_t *window, int64_t W, float outside_logp, int64_t *top_ids,
-                   float *top_logp, float *window_logp, float *scratch) {
+                   float softcap, const float *noise, int64_t ldn, int64_t kappa, const int64_t *window, int64_t W,
+                   float outside_logp, int64_t *top_ids, float *top_logp, float *window_logp, float *scratch) {
     if (kappa < 1 || kappa > V || W > M) return -1;
     float *n = scratch, *h = n + M * H, *o = h + M * H, *g = o + M * H, *l = g + M * I;
     uint32_t *pairs = (uint32_t *)(l + M * V);
@@ -93,6 +97,8 @@ int proxy_head_f32(const float *x, int64_t M, int64_t H, const float *pre, float
         float *lr = l + m * V;
         if (softcap > 0)
             for (int64_t v = 0; v < V; v++) lr[v] = softcap * tanhf(lr[v] / softcap);
+        if (noise)
+            for (int64_t v = 0; v < V; v++) lr[v] += noise[m * ldn + v];
         float lse = head_logsumexp(lr, V);
         if (!isfinite(lse)) return -1;
         head_top(lr, V, kappa, top_ids + m * kappa, top_logp + m * kappa);

@@ -226,8 +226,12 @@ class DraftServer:
             exit_states = as_states((msg.states or {}).get("exit"), 1 + len(self.window), "the window", self.device)
         candidates = msg.candidates
         if candidates is None:  # the proxy head runs here, on the window's ℓe states
+            noise = None
+            if self.noise is not None:  # T > 0: ranked under the noise the target samples these positions with
+                first = len(self.tokens) - self.prompt_len  # the window's first row's output position
+                noise = self.noise.rows(range(first, first + 1 + len(self.window)))
             ids, logp, window_logp = self.head.window_candidates(
-                exit_states.to(self.device, self.head.dtype), self.window, self.kappa
+                exit_states.to(self.device, self.head.dtype), self.window, self.kappa, noise=noise
             )
             if deadline is not None:  # the head's time here comes out of the rollout's share of the target's suffix
                 deadline -= (time.perf_counter() - start) * 1000

@@ -266,18 +266,29 @@ class ProxyHead(nn.Module):
 
     @torch.inference_mode()
     def window_candidates(
-        self, hidden: torch.Tensor, window: list[int], kappa: int | None = None, cache=None
+        self, hidden: torch.Tensor, window: list[int], kappa: int | None = None, cache=None, noise=None
     ) -> tuple[list[list[int]], list[list[float]], list[float]]:
         """What the engine sends for a verification window: at each of its γ+1 positions (hidden (γ+1, H)) the
         top-κ target ids and their log-probs, and the log-prob of each drafted token of `window` (γ ids;
-        OUTSIDE_LOGP for one a restricted vocabulary lacks)."""
+        OUTSIDE_LOGP for one a restricted vocabulary lacks).
+
+        noise: at T > 0, the target's sampling noise at those positions ((γ+1, the target's vocabulary): T times
+        its Gumbel noise, `acceptance.sample_noise`), which the engine knows before the target has its logits. The
+        target's token there is argmax(logits + noise), so the head ranks its own logits plus the same noise: its
+        candidates are the sample the head expects, not its greedy guesses (at T = 1 the top 8 of the head's
+        logits hold a sample only as often as its top-8 mass, ~Ω_8), and the log-probs its odds of each under that
+        noise (the head's softmax, shifted by the noise, is its model of argmax(logits + noise))."""
         kappa = check_kappa(kappa or self.cfg.kappa)
         index = self.logit_index(torch.tensor(window, dtype=torch.long, device=hidden.device))
-        fused = fused_head.window_candidates(self, hidden, index, kappa, OUTSIDE_LOGP)  # one C call, where marked
+        if noise is not None:  # read at the head's own ids (a restricted vocabulary's)
+            noise = noise.to(hidden.device, torch.float32)
+            noise = noise if self.vocab_ids is None else noise[:, self.vocab_ids.to(hidden.device)]
+        fused = fused_head.window_candidates(self, hidden, index, kappa, OUTSIDE_LOGP, noise)  # one C call
         if fused is not None:
             top_index, top_logp, window_logp = fused
             return self.to_target_ids(top_index).tolist(), top_logp, window_logp
-        logp = torch.log_softmax(self(hidden, cache).float(), dim=-1)  # (γ+1, V')
+        logits = self(hidden, cache).float()  # (γ+1, V')
+        logp = torch.log_softmax(logits if noise is None else logits + noise, dim=-1)
         top = logp.topk(kappa, dim=-1)
         window_logp = logp[torch.arange(len(window)), index.clamp(min=0)].masked_fill(index < 0, OUTSIDE_LOGP)
         return self.to_target_ids(top.indices).tolist(), top.values.tolist(), window_logp.tolist()
