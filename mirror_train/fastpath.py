@@ -344,6 +344,17 @@ def installed(model: nn.Module) -> bool:
     return any(isinstance(m, (PackedLinear, ExactLinear, RoutedLinear)) for m in model.modules())
 
 
+# what `describe` may name besides the path, in the order the records give them
+DESCRIBED = ("layout", "weights_read", "head_screen", "panel_prefetch", "panel_prefetch_distance", "panel_one_row")
+
+
+def record(model: nn.Module) -> dict:
+    """`describe`'s keys (DESCRIBED) for a benchmark's JSON, each present (None where it does not apply), the layout
+    named `kernel_layout` as those records have named it."""
+    described = describe(model)
+    return {("kernel_layout" if k == "layout" else k): described.get(k) for k in DESCRIBED}
+
+
 def describe(model: nn.Module) -> dict:
     """How a model's linears are served, for the records that name where a figure came from: the path (exact,
     onednn, fastest, none), and on the kernels the layout and the dtype their weights are read in (bfloat16 for a

@@ -171,7 +171,7 @@ def main() -> None:
         fastpath.install(targets["onednn"].model, "onednn")
     targets["fast"] = load()
     kind = fastpath.install(targets["fast"].model, "auto")
-    served = fastpath.describe(targets["fast"].model)
+    served = fastpath.record(targets["fast"].model)
     libraries = {}
     if args.baseline:
         libraries["baseline"] = baseline_module(args.baseline)._library()
@@ -189,12 +189,8 @@ def main() -> None:
         "cpu": cpu_model(),
         "torch": torch.__version__,
         "fast_path": kind,
-        "kernel_layout": served.get("layout"),
-        "panel_prefetch": served.get("panel_prefetch"),  # tile heights that prefetch, and how far (kernels.py)
-        "panel_prefetch_distance": served.get("panel_prefetch_distance"),
-        "panel_one_row": served.get("panel_one_row"),
+        **served,  # the layout, the dtype the weights are read in, the screen, how the panels stream (kernels.py)
         "values": args.values,  # the float32 weights' values: their own, or rounded to bfloat16 / float16 ones
-        "weights_read": served.get("weights_read"),  # the dtype the fast path reads them in (kernels.serve_narrow)
         "context": args.context,
         "weight_bytes": weights,
         "bandwidth_gbs": round(bandwidth, 2),

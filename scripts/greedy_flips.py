@@ -41,17 +41,11 @@ def run(args) -> dict:
     cfg = EngineConfig(fast_path=args.fast_path, target_core=args.core)
     engine = MirrorEngine(target, None, None, cfg)
     records = []
-    served = fastpath.describe(target.model)
     result = {
         "cpu": cpu_model(),
         "torch": torch.__version__,
         "fast_path": engine.fast_path,
-        "kernel_layout": served.get("layout"),
-        "weights_read": served.get("weights_read"),  # half-precision copies (kernels.serve_narrow)
-        "head_screen": served.get("head_screen"),  # greedy tokens through the LM head's screen (screened_head.py)
-        "panel_prefetch": served.get("panel_prefetch"),
-        "panel_prefetch_distance": served.get("panel_prefetch_distance"),
-        "panel_one_row": served.get("panel_one_row"),
+        **fastpath.record(target.model),  # the layout, half-precision copies, the LM head's screen, the panels' stream
         "records": records,
     }
     with torch.inference_mode():

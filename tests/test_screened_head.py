@@ -378,6 +378,10 @@ def test_a_targets_greedy_tokens_are_its_logits_argmax(tiny_model_dir):
     assert screen is not None and record["head_screen"] == screen.kind
     if record.get("layout") == "panels":  # and which panel tiles prefetch, as measured here
         assert int(record["panel_prefetch"], 16) == kernels.panel_prefetch(record["weights_read"])
+    # the benchmarks' records: every key of it, the layout as kernel_layout
+    named = fastpath.record(target.model)
+    assert set(named) == {"kernel_layout", *fastpath.DESCRIBED} - {"layout"}
+    assert named["kernel_layout"] == record.get("layout") and named["head_screen"] == screen.kind
     g = torch.Generator().manual_seed(2)
     for rows in (1, 4, 9):
         final = target.decoder.norm(torch.randn(1, rows, target.config.hidden_size, generator=g) * 3)

@@ -12,22 +12,14 @@ import json
 import statistics
 from pathlib import Path
 
+from mirror_train import fastpath
 from mirror_train.errors import MirrorTrainError
 from mirror_train.eval.questions import TASKS
 
 BASELINE = "ar"
 
 # what a report says of how the target was served on each machine (fastpath.describe, the prefill's threads)
-SERVED_KEYS = (
-    "fast_path",
-    "layout",
-    "weights_read",
-    "panel_prefetch",
-    "panel_prefetch_distance",
-    "panel_one_row",
-    "head_screen",
-    "prefill_threads",
-)
+SERVED_KEYS = ("fast_path", *fastpath.DESCRIBED, "prefill_threads")
 
 
 def read_answers(path: Path) -> list[dict]:
