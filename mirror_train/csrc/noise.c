@@ -3,7 +3,7 @@
    a row for every position a window verifies, on the target's side and on the draft's (which couples its tokens
    and the proxy head's candidates to it): torch's generator and float64 logs took ~0.5 ms a row of 49,152 ids,
    longer than the wait for a branch that is ready. Here a counter-based generator (splitmix64's finalizer over a
-   key a position and a counter an id) and a logarithm of IEEE operations alone, which the compiler vectorises;
+   key of (seed, position) plus a counter of the id) and a logarithm of IEEE operations alone, which the compiler vectorises;
    -ffp-contract=off keeps every operation rounded on its own, so these are the bits of acceptance.py's torch
    version of the same function (the fallback where no kernel builds) on any x86 machine. */
 
@@ -20,7 +20,7 @@ static inline uint64_t noise_mix(uint64_t z) {
 #define NOISE_LN2 0.6931471805599453
 
 /* log x for a normal x > 0: x = 2^k m, m in [sqrt(1/2), sqrt(2)], log m = 2 atanh(s) = 2 (s + s^3/3 + ... + s^11/11)
-   with s = (m - 1) / (m + 1), |s| <= 0.172: the series' remainder is < 4e-11 of log m, relative accuracy that holds
+   with s = (m - 1) / (m + 1), |s| <= 0.172: the series' remainder is ~5e-11 of log m at most, relative accuracy that holds
    as m -> 1 (where log u of a u near 1 needs it: the second logarithm reads e = -log u as small as 1e-16), far
    inside a float32 noise value's rounding; six terms instead of eleven made a row ~1.4x faster. */
 static inline double noise_log(double x) {
