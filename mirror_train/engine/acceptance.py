@@ -51,7 +51,7 @@ def sample_noise(vocab: int, temperature: float, seed: int, positions: Sequence[
     rows = torch.empty(len(positions), vocab, dtype=torch.float32)
     ids = torch.arange(1, vocab + 1, dtype=torch.int64) * _i64(_GOLDEN)  # wraps mod 2^64, as C's uint64 does
     for i, position in enumerate(positions):
-        z = _mix(ids + _i64(_key(seed, position)))
+        z = _mix(ids + _key(seed, position))
         u = (_shr(z, 12).double() + 0.5) * 2.0**-52
         rows[i] = (_log(-_log(u)) * -float(temperature)).float()
     return rows
@@ -67,16 +67,9 @@ def _i64(x: int) -> int:
     return x - 2**64 if x >= 2**63 else x
 
 
-def _mix_int(z: int) -> int:
-    """splitmix64's finalizer on a Python int (mod 2^64)."""
-    z &= _MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return z ^ (z >> 31)
-
-
-def _key(seed: int, position: int) -> int:
-    return _mix_int(_mix_int((seed * _GOLDEN + 1) & _MASK) + position * _GOLDEN)
+def _key(seed: int, position: int) -> torch.Tensor:
+    """A position's key (int64 bits, 0-d): noise.c's, mix(mix(seed·golden + 1) + position·golden) mod 2^64."""
+    return _mix(_mix(torch.tensor(_i64(seed * _GOLDEN + 1))) + _i64(position * _GOLDEN))
 
 
 def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:

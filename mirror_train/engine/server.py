@@ -226,10 +226,9 @@ class DraftServer:
             exit_states = as_states((msg.states or {}).get("exit"), 1 + len(self.window), "the window", self.device)
         candidates = msg.candidates
         if candidates is None:  # the proxy head runs here, on the window's ℓe states
-            noise = None
-            if self.noise is not None:  # T > 0: ranked under the noise the target samples these positions with
-                first = len(self.tokens) - self.prompt_len  # the window's first row's output position
-                noise = self.noise.rows(range(first, first + 1 + len(self.window)))
+            noise = self._noise()  # T > 0: ranked under the noise the target samples these positions with
+            if noise is not None:  # row r names the token at sequence index len(tokens) + r
+                noise = noise(range(len(self.tokens), len(self.tokens) + 1 + len(self.window)))
             ids, logp, window_logp = self.head.window_candidates(
                 exit_states.to(self.device, self.head.dtype), self.window, self.kappa, noise=noise
             )
