@@ -156,7 +156,7 @@ def test_prompt_lookups_guess_for_c_star_joins_the_ranking_at_its_learnt_odds():
     cand_logp = [[math.log(p) for p in row] for row in ([0.6, 0.3], [0.5, 0.4], [0.7, 0.2])]
     window_logp = [math.log(0.6), math.log(0.4)]
     accept_prob = [0.8, 0.5]
-    proposals = [(11, 0.5), (7, 0.9), (6, 0.5)]  # r=0: new; r=1: the drafted d_2 (spine); r=2: the head's 6, surer
+    proposals = [[(11, 0.5)], [(7, 0.9)], [(6, 0.5)]]  # r=0: new; r=1: the drafted d_2 (spine); r=2: the head's 6
     ids, logp = with_lookup(window, cand_ids, cand_logp, window_logp, proposals)
     assert ids == [[5, 3, 11], [9, 7], [4, 6]] and logp[1] == cand_logp[1]
     assert logp[0][2] == pytest.approx(math.log(0.5 * 0.4)) and logp[2][1] == pytest.approx(math.log(0.5))
@@ -164,7 +164,10 @@ def test_prompt_lookups_guess_for_c_star_joins_the_ranking_at_its_learnt_odds():
     # (0, 11): P(A = 0) = 0.2, times q = 0.5 → 0.1; (2, 6): P(A = 2) = 0.4, times 0.5 → 0.2 (the head said 0.08)
     assert dict(((r, c), p) for r, c, p in ranked)[(0, 11)] == pytest.approx(0.1)
     assert dict(((r, c), p) for r, c, p in ranked)[(2, 6)] == pytest.approx(0.2)
-    assert with_lookup(window, cand_ids, cand_logp, window_logp, [None] * 3) == (cand_ids, cand_logp)
+    assert with_lookup(window, cand_ids, cand_logp, window_logp, [[]] * 3) == (cand_ids, cand_logp)
+    # several guesses at one position each join at their own odds
+    ids, logp = with_lookup(window, cand_ids, cand_logp, window_logp, [[(11, 0.5), (12, 0.25)], [], []])
+    assert ids[0] == [5, 3, 11, 12] and logp[0][3] == pytest.approx(math.log(0.25 * 0.4))
 
 
 def test_the_draft_server_guesses_c_star_from_the_committed_text_and_learns_how_often_it_is_right():
@@ -175,18 +178,24 @@ def test_the_draft_server_guesses_c_star_from_the_committed_text_and_learns_how_
     from mirror_train.engine.server import DraftServer
 
     server = DraftServer(SyntheticDraft(SyntheticDraftConfig(forward_ms=0), 100), branch_budget=8, lookup_roots=True)
-    prompt = [1, 2, 3, 4, 1, 2]  # "1 2" was followed by 3
+    prompt = [1, 2, 5, 8, 1, 2, 3, 4, 1, 2]  # "1 2" was followed by 5, later by 3
     server.handle(Start(prompt=prompt, gamma=2, reference=[3, 4, 1, 2, 3, 4], reply=True))
-    server.window = [9, 9]  # whatever the draft proposed: the guess after the committed text alone is 3
+    server.window = [9, 9]  # whatever the draft proposed: the guesses after the committed text alone are 3, then 5
     guesses = server._lookup_guesses()
-    assert guesses[0][0] == 3 and server.root_guesses[0][0] == 3
-    before = server.roots_rate.predict([server.root_guesses[0][1]])[0]
+    assert [c for c, _ in guesses[0]] == [3, 5] and [c for c, _ in server.root_guesses[0]] == [3, 5]
+    before = server.roots_rate.predict([server.root_guesses[0][0][1]])[0]
+    second = server.roots_rate.predict([server.root_guesses[0][1][1]])[0]
+    server.window = [3, 9]  # a drafted token is the spine, never a guess: the next one takes its place
+    assert [c for c, _ in server._lookup_guesses()[0]] == [5]
+    server.window = [9, 9]
+    server._lookup_guesses()
     n = 3
     cands = Candidates(ids=[[5] * 1] * n, logp=[[math.log(0.1)]] * n, window_logp=[math.log(0.1)] * (n - 1))
     server.handle(Branches(candidates=cands, deadline_ms=None, sent_s=None))
     assert (0, 3) in server.rolled  # the guess was rolled out as a branch
     server.handle(Verdict(accepted=0, correction=3, reply=True))
-    assert server.roots_rate.predict([(2, False)])[0] > before  # right: its odds went up
+    assert server.roots_rate.predict([(2, False, 0)])[0] > before  # right: its odds went up
+    assert server.roots_rate.predict([(2, False, 1)])[0] < second  # the second guess was wrong: its odds went down
     assert server.root_guesses == {}
 
 

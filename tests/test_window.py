@@ -28,6 +28,21 @@ def test_ngram_proposes_what_followed_the_longest_latest_match():
     assert index.propose(2, after=[5]) == ([6, 7], 1)  # the context (…, 8, 5): only 5 matches
 
 
+def test_ngram_guesses_the_latest_distinct_successors_of_the_longest_match_then_shorter_ones():
+    index = NgramIndex(max_n=3, successors=2)
+    index.reset([6, 7, 1, 5, 6, 7, 2, 6, 7, 1, 9, 7, 3, 6, 7])
+    # (6, 7) was followed by 1, 2, 1: the latest distinct two are 1, 2; then (7,) adds 3 (its latest, after 1)
+    assert index.guesses(3) == [(1, 2), (2, 2), (3, 1)]
+    assert index.guesses(1) == [(index.propose(1)[0][0], 2)]  # the first guess is the copy's next token
+    assert index.guesses(3, after=[42]) == []
+    assert NgramIndex(max_n=3).guesses(3, after=[6, 7]) == []  # an empty index
+    one = NgramIndex(max_n=3)  # one successor kept: each n-gram's latest only
+    one.reset([6, 7, 1, 5, 6, 7, 2, 6, 7, 1, 9, 7, 3, 6, 7])
+    assert one.guesses(3) == [(1, 2), (3, 1)]
+    with pytest.raises(ValueError):
+        NgramIndex(successors=0)
+
+
 def test_ngram_never_matches_the_suffix_with_itself():
     index = NgramIndex()
     index.reset([1, 2, 3])

@@ -61,31 +61,31 @@ def with_lookup(
     cand_ids: Sequence[Sequence[int]],
     cand_logp: Sequence[Sequence[float]],
     window_logp: Sequence[float],
-    proposals: Sequence[tuple[int, float] | None],
+    proposals: Sequence[Sequence[tuple[int, float]]],
 ) -> tuple[list[list[int]], list[list[float]]]:
-    """The proxy's candidates with prompt lookup's guess for c* added at each window position r = 0..γ.
+    """The proxy's candidates with prompt lookup's guesses for c* added at each window position r = 0..γ.
 
-    proposals[r] = (c, q) or None: the token the committed text says follows the window's first r tokens, and
-    q = P(c* = c | A = r) (learnt online from verdicts). It joins the candidates as the log-prob whose `rank_branches`
-    score is P(A = r) · q: q · (1 − p_proxy(d_{r+1})) before the bonus position (where the score divides by the
-    proxy's mass off the drafted token), q at it. A token the proxy already proposes keeps the larger of the two; the
-    drafted token itself is the spine, not a branch. Why: where the head's top 8 missed the target's next token (41%
-    of Spec-Bench answer positions with the trained head at ℓe = 15), the lookup's proposal was that token 46% of the
-    time (docs/engine.md, thirty-first session)."""
+    proposals[r] = [(c, q), ...] (possibly empty): tokens the committed text says may follow the window's first r
+    tokens, each with q = P(c* = c | A = r) (learnt online from verdicts). Each joins the candidates as the log-prob
+    whose `rank_branches` score is P(A = r) · q: q · (1 − p_proxy(d_{r+1})) before the bonus position (where the score
+    divides by the proxy's mass off the drafted token), q at it. A token the proxy already proposes keeps the larger
+    of the two; the drafted token itself is the spine, not a branch. Why: where the head's top 8 missed the target's
+    next token (41% of Spec-Bench answer positions with the trained head at ℓe = 15), the lookup's proposal was that
+    token 46% of the time (docs/engine.md, thirty-first session)."""
     ids = [list(map(int, row)) for row in cand_ids]
     logp = [list(map(float, row)) for row in cand_logp]
-    for r, proposal in enumerate(proposals):
-        if proposal is None or (r < len(window) and proposal[0] == window[r]):
-            continue
-        c, q = proposal
+    for r, guesses in enumerate(proposals):
         off = max(1 - math.exp(window_logp[r]), 1e-3) if r < len(window) else 1.0
-        lp = math.log(max(q * off, 1e-12))
-        if c in ids[r]:
-            i = ids[r].index(c)
-            logp[r][i] = max(logp[r][i], lp)
-        else:
-            ids[r].append(c)
-            logp[r].append(lp)
+        for c, q in guesses:
+            if r < len(window) and c == window[r]:
+                continue
+            lp = math.log(max(q * off, 1e-12))
+            if c in ids[r]:
+                i = ids[r].index(c)
+                logp[r][i] = max(logp[r][i], lp)
+            else:
+                ids[r].append(c)
+                logp[r].append(lp)
     return ids, logp
 
 

@@ -14,23 +14,33 @@ from collections.abc import Sequence
 
 
 class NgramIndex:
-    def __init__(self, max_n: int = 4):
+    def __init__(self, max_n: int = 4, successors: int = 1):
         if max_n < 1:
             raise ValueError(f"max_n must be ≥ 1, got {max_n}")
+        if successors < 1:
+            raise ValueError(f"successors must be ≥ 1, got {successors}")
         self.max_n = max_n
+        self.successors = successors
         self.tokens: list[int] = []
         self.last: dict[tuple[int, ...], int] = {}  # n-gram → index of its last token, at its latest occurrence
+        self.recent: dict[tuple[int, ...], tuple[int, ...]] = {}  # n-gram → its latest distinct successors (> 1 kept)
         self.indexed = 0  # n-grams ending before this index are registered (the last token has no successor yet)
 
     def reset(self, tokens: Sequence[int]) -> None:
-        self.tokens, self.last, self.indexed = [], {}, 0
+        self.tokens, self.last, self.recent, self.indexed = [], {}, {}, 0
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
         self.tokens += [int(t) for t in tokens]
+        keep = self.successors
         for end in range(self.indexed, len(self.tokens) - 1):  # every n-gram ending at `end` now has a successor
+            successor = self.tokens[end + 1]
             for n in range(1, min(self.max_n, end + 1) + 1):
-                self.last[tuple(self.tokens[end - n + 1 : end + 1])] = end
+                gram = tuple(self.tokens[end - n + 1 : end + 1])
+                self.last[gram] = end
+                if keep > 1:
+                    seen = self.recent.get(gram, ())
+                    self.recent[gram] = (successor, *(t for t in seen if t != successor))[:keep]
         self.indexed = max(self.indexed, len(self.tokens) - 1)
 
     def propose(self, k: int, after: Sequence[int] = ()) -> tuple[list[int], int]:
@@ -43,3 +53,21 @@ class NgramIndex:
             if end is not None:
                 return self.tokens[end + 1 : end + 1 + k], n
         return [], 0
+
+    def guesses(self, m: int, after: Sequence[int] = ()) -> list[tuple[int, int]]:
+        """Up to m distinct guesses (token, match size n) for the token after the context (the committed tokens then
+        `after`): the successors of the longest matching n-gram, latest first, then those of shorter matches. The
+        first is `propose`'s next token."""
+        context = self.tokens[-self.max_n :] + [int(t) for t in after]
+        out: list[tuple[int, int]] = []
+        for n in range(min(self.max_n, len(context)), 0, -1):
+            gram = tuple(context[-n:])
+            end = self.last.get(gram)
+            if end is None:
+                continue
+            for token in self.recent.get(gram) or (self.tokens[end + 1],):
+                if all(token != t for t, _ in out):
+                    out.append((token, n))
+                    if len(out) >= m:
+                        return out
+        return out
