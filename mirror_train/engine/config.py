@@ -50,8 +50,9 @@ class EngineConfig:
     use_streams: bool = True  # the draft's lookahead streams (False: one token per draft forward)
     # Mirror-SD: while the target runs its prefix, the draft drafts on past its window (server.py `_look_ahead`)
     look_ahead: bool = True
-    # Mirror-SD: branch roots also from prompt lookup's guess for c* (the committed text's continuation after each
-    # window position), beside the proxy head's top-κ (branches.with_lookup; its odds learnt from verdicts)
+    # Mirror-SD: branch roots also from prompt lookup's guesses for c* (what followed the committed text's longest
+    # matches after each window position, server.ROOT_GUESSES of them), beside the proxy head's top-κ
+    # (branches.with_lookup; their odds learnt from verdicts)
     lookup_roots: bool = True
     candidate_vocab: int | None = 16384  # the proxy head scores only this many ids (its artifact's most frequent
     # first, else the lowest ids, which BPE's merge order makes roughly the most frequent); None or more than the

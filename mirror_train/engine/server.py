@@ -84,8 +84,8 @@ class DraftServer:
     `HeadEnd`, when the proxy head runs on the draft's side (then Branches bring the target's ℓe states instead of
     candidates); kappa: its κ; ngram_tokens: the longest copied window (0: no prompt lookup); adaptive_window: cut
     each window to its best length (module docstring; else the model's whole γ); device: where the draft and the
-    head compute; lookup_roots: Mirror-SD's branch roots include prompt lookup's guess for c* beside the proxy
-    head's (`branches.with_lookup`)."""
+    head compute; lookup_roots: Mirror-SD's branch roots include prompt lookup's guesses for c* (ROOT_GUESSES) beside
+    the proxy head's (`branches.with_lookup`)."""
 
     def __init__(
         self,
