@@ -190,3 +190,41 @@ def test_the_models_promise_is_scaled_by_what_its_asks_delivered():
     for _ in range(8):  # the old asks leave the window
         ledger.add(1.2, 1.5)
     assert ledger.factor() == pytest.approx((8 * 1.5 + 4 * 1.2) / (12 * 1.2)) and ledger.factor() > 1
+
+
+def test_scripts_bench_branch_roots_counts_each_answer_position_once_against_every_source():
+    """bench_branch_roots' score: the head's top κ, prompt lookup's guesses (read from the prompt and the answer
+    before each position) and their union, counted over answer positions only."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_branch_roots.py"
+    spec = importlib.util.spec_from_file_location("bench_branch_roots", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ids = [7, 1, 2, 3, 1, 2, 4, 1, 2, 3]  # prompt 7 1 2 3; answer 1 2 4 1 2 3 (positions 3..8 predict it)
+    answer = np.array([i >= 3 for i in range(len(ids) - 1)] + [False])
+    vocab = 10
+
+    class Head(torch.nn.Module):  # ranks id 1 first (then 2, 3, …): right where 1 comes next (positions 3 and 6)
+        dtype = torch.float32
+
+        def forward(self, x):
+            scores = -torch.arange(vocab, dtype=torch.float32).roll(1)
+            return scores.expand(*x.shape[:-1], vocab)
+
+    cache = SimpleNamespace(
+        num_sequences=1, offsets=np.array([0, len(ids)]), token_ids=np.array(ids), is_answer=answer,
+        hidden=np.zeros((len(ids), 4), dtype=np.float32),
+    )  # fmt: skip
+    counts = bench.score(Head(), cache, [1], [0, 1, 2], None)
+    assert counts["positions"] == 6
+    assert counts["head1"] == 2
+    # lookup after "… 1" guesses 2 (right at positions 4 and 7); after the last "1 2" its latest successor 4 first,
+    # then 3 (right: only the second guess holds it)
+    assert counts["lookup1"] == 2 and counts["lookup2"] == 3
+    assert counts["head1+lookup2"] == 5 and counts["head1+lookup0"] == 2
