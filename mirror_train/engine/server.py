@@ -74,8 +74,9 @@ STORE_CONTEXT = 8  # the committed tokens a datastore proposal reads (its n-gram
 # under this plan, at the same queueing of the verdict (0.2–0.3 ms a step; twenty-ninth session)
 SUFFIX_SPREAD = 0.1
 # Prompt lookup's guesses for c* at each window position, Mirror-SD's branch roots beside the proxy head's (the latest
-# distinct successors of the longest match, then of shorter ones): on held-out Spec-Bench answers the head's top 8
-# with one guess held the target's next token 0.793 of the time, with two 0.812, three 0.819 (forty-ninth session)
+# distinct successors of the longest match, then of shorter ones): on held-out Spec-Bench answers the recipe head's
+# top 8 with one guess held the target's next token 0.822 of the time, with two 0.838, three 0.845 (forty-ninth
+# session, `scripts/bench_branch_roots.py`)
 ROOT_GUESSES = 3
 
 
