@@ -25,6 +25,7 @@ from mirror_train.data.features import FeatureCache
 from mirror_train.datastore import Datastore
 from mirror_train.devices import cpu_model
 from mirror_train.engine.ngram import NgramIndex
+from mirror_train.engine.server import STORE_CONTEXT
 from mirror_train.models.proxy_head import load_proxy_head
 from mirror_train.target import Target
 
@@ -61,7 +62,8 @@ def score(head, cache: FeatureCache, kappas: list[int], guesses: list[int], stor
             truth = ids[i + 1]
             counts["positions"] += 1
             guessed = [c for c, _ in index.guesses(most)] if most else []
-            proposal = store.propose(ids[max(0, i - 7) : i + 1], 1)[0] if store is not None else []
+            context = ids[max(0, i + 1 - STORE_CONTEXT) : i + 1]  # what the engine's datastore proposal reads
+            proposal = store.propose(context, 1)[0] if store is not None else []
             stored = bool(proposal) and proposal[0] == truth
             counts["store"] += stored
             for g in guesses:
@@ -107,8 +109,9 @@ def main() -> None:
         print(f"| {k} | " + " | ".join(f"{recall[f'head{k}+lookup{g}']:.3f}" for g in args.guesses) + " |")
     print("\nlookup alone: " + ", ".join(f"{g} guesses {recall[f'lookup{g}']:.3f}" for g in args.guesses if g))
     if store is not None:
-        print(f"datastore alone: {recall['store']:.3f}; with it, head top 8 + 3 guesses: ", end="")
-        print(f"{recall.get('head8+lookup3+store', float('nan')):.3f}")
+        g = max(args.guesses)
+        added = ", ".join(f"top {k} {recall[f'head{k}+lookup{g}+store']:.3f}" for k in args.kappas)
+        print(f"datastore alone: {recall['store']:.3f}; added to the head's top κ and {g} lookup guesses: {added}")
 
 
 if __name__ == "__main__":
