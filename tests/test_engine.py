@@ -1419,3 +1419,29 @@ def test_a_draft_that_is_the_target_has_every_sampled_token_kept(peaked_target):
             drafted = [s for s in g.steps if s.window > 0]
             kept = [(s.accepted, s.window) for s in drafted]
             assert kept and all(a == w for a, w in kept), (method, kept)
+
+
+def test_scripts_bench_channel_times_the_engines_pipe_both_ways_of_waiting():
+    """bench_channel: a real worker process over the engine's pipe; one-way and round-trip latencies for a blocked and
+    a spinning receiver, each positive, a round trip no shorter than its way there; a bad count is one line."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_channel.py"
+    run = subprocess.run(
+        [sys.executable, str(path), "--messages", "12", "--work-ms", "0.5", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["payload_bytes"] == 5 * 576 * 4 and result["cpu"]
+    assert set(result["waits"]) == {"blocked", "spinning"}
+    for r in result["waits"].values():
+        assert 0 < r["one_way_ms"]["median"] <= r["round_trip_ms"]["median"]
+        assert r["one_way_ms"]["p10"] <= r["one_way_ms"]["p90"]
+    bad = subprocess.run([sys.executable, str(path), "--messages", "3"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--messages must be ≥ 10" in bad.stderr.strip().splitlines()[-1]
