@@ -68,12 +68,14 @@ def measure(wait: str, messages: int, work_ms: float, rows: int, hidden: int, sp
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     ours, theirs = (cores[0], cores[1]) if len(cores) >= 2 else (None, None)
     spin_s = spin_ms / 1000 if wait == "spinning" else 0.0
-    here, there = mp.get_context("spawn").Pipe()
-    worker = mp.get_context("spawn").Process(target=_worker, args=(there, spin_s, theirs), daemon=True)
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    worker = ctx.Process(target=_worker, args=(there, spin_s, theirs), daemon=True)
     worker.start()
     there.close()
-    before = os.sched_getaffinity(0) if ours is not None else None
+    before = None
     if ours is not None:
+        before = os.sched_getaffinity(0)
         os.sched_setaffinity(0, {ours})
     transport = PipeTransport(here)
     payload = np.zeros((rows, hidden), np.float32)
